@@ -1,0 +1,27 @@
+// The CPU twin of the CUDA kernels: the same FlashAttention-2 algorithm (tiles, online softmax, LSE,
+// recompute-based backward) in plain C++17 with float32 accumulation.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace jaxflash::cpu {
+
+enum class DType { kF32, kBF16, kF16 };
+
+struct BlockSizes {
+  int64_t rows_q;  // Br: query rows per block
+  int64_t rows_k;  // Bc: key/value rows per block
+};
+
+// Block sizes from an on-chip budget (bytes) and the head dim; see the definition for the rule.
+BlockSizes ComputeBlockSizes(int64_t head_dim, int64_t budget_bytes);
+
+// The budget used on this machine: the L2 cache size (1 MiB when the OS does not report it).
+int64_t CacheBudgetBytes();
+
+void Forward(const FwdParams& p, DType dtype);
+void Backward(const BwdParams& p, DType dtype);
+
+}  // namespace jaxflash::cpu

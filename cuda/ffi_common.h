@@ -1,0 +1,98 @@
+// Shape and dtype checks shared by the CPU and CUDA FFI handlers. Every failure is an ffi::Error whose
+// message starts with the target name and names the value received; nothing here aborts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxflash {
+
+namespace ffi = xla::ffi;
+
+inline std::string ShapeStr(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+inline const char* DTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    default: return "unsupported";
+  }
+}
+
+inline ffi::Error Invalid(const char* target, const std::string& msg) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + msg);
+}
+
+// Reads q [..., Sq, Hq, D] and k, v [..., Sk, Hk, D] into `dims` (leading dims collapsed into batch).
+// Returns ffi::Error + out-param rather than ErrorOr, which differs between jaxlib 0.10 and 0.11 headers.
+inline ffi::Error ParseDims(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                            const ffi::AnyBuffer& v, AttnDims* dims) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() < 3) return Invalid(target, "q must have rank >= 3 ([..., Sq, H, D]); got " + ShapeStr(qd));
+  if (kd.size() != qd.size() || vd.size() != qd.size())
+    return Invalid(target, "q, k and v must have the same rank; got q " + ShapeStr(qd) + ", k " + ShapeStr(kd) +
+                               ", v " + ShapeStr(vd));
+  const size_t r = qd.size();
+  int64_t batch = 1;
+  for (size_t i = 0; i + 3 < r; ++i) {
+    if (kd[i] != qd[i] || vd[i] != qd[i])
+      return Invalid(target, "q, k and v must share leading dims; got q " + ShapeStr(qd) + ", k " + ShapeStr(kd) +
+                                 ", v " + ShapeStr(vd));
+    batch *= qd[i];
+  }
+  for (size_t i = r - 3; i < r; ++i)
+    if (kd[i] != vd[i]) return Invalid(target, "k and v must have the same shape; got k " + ShapeStr(kd) + ", v " + ShapeStr(vd));
+  if (kd[r - 1] != qd[r - 1])
+    return Invalid(target, "q and k must have the same head dim; got " + std::to_string(qd[r - 1]) + " and " +
+                               std::to_string(kd[r - 1]));
+  if (kd[r - 2] <= 0 || qd[r - 2] % kd[r - 2] != 0)
+    return Invalid(target, "query heads must be a multiple of key/value heads; got " + std::to_string(qd[r - 2]) +
+                               " and " + std::to_string(kd[r - 2]));
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
+    return Invalid(target, std::string("q, k and v must share a dtype; got ") + DTypeName(q.element_type()) + ", " +
+                               DTypeName(k.element_type()) + ", " + DTypeName(v.element_type()));
+  dims->batch = batch;
+  dims->seqlen_q = qd[r - 3];
+  dims->seqlen_k = kd[r - 3];
+  dims->heads_q = qd[r - 2];
+  dims->heads_k = kd[r - 2];
+  dims->head_dim = qd[r - 1];
+  return ffi::Error::Success();
+}
+
+// `buf` must have exactly the shape `want` (used for outputs and for the backward pass's inputs).
+inline ffi::Error CheckShape(const char* target, const char* name, ffi::Span<const int64_t> got,
+                             ffi::Span<const int64_t> want) {
+  bool same = got.size() == want.size();
+  for (size_t i = 0; same && i < got.size(); ++i) same = got[i] == want[i];
+  if (!same) return Invalid(target, std::string(name) + " must have shape " + ShapeStr(want) + "; got " + ShapeStr(got));
+  return ffi::Error::Success();
+}
+
+// lse / delta shape for q of shape [..., Sq, H, D]: [..., H, Sq].
+inline std::vector<int64_t> StatShape(ffi::Span<const int64_t> qd) {
+  std::vector<int64_t> s(qd.begin(), qd.end() - 3);
+  s.push_back(qd[qd.size() - 2]);
+  s.push_back(qd[qd.size() - 3]);
+  return s;
+}
+
+// The mask of the `causal` attribute: bottom-right aligned, as FlashAttention aligns it.
+inline MaskParams CausalMask(const AttnDims& d, bool causal) {
+  MaskParams m;
+  m.diag_offset = d.seqlen_k - d.seqlen_q;
+  m.window_left = -1;
+  m.window_right = causal ? 0 : -1;
+  return m;
+}
+
+}  // namespace jaxflash

@@ -1,0 +1,152 @@
+// XLA FFI handlers of the CPU kernels (targets jaxflash_fwd / jaxflash_bwd, platform "cpu") and the
+// nanobind module that hands them to Python. Decode, check, fill params, call the kernel.
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "cpu/flash_cpu.h"
+#include "ffi_common.h"
+
+namespace nb = nanobind;
+
+namespace jaxflash {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+ffi::Error CpuDType(const char* target, ffi::DataType t, cpu::DType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = cpu::DType::kF32; return ffi::Error::Success();
+    case ffi::DataType::BF16: *out = cpu::DType::kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: *out = cpu::DType::kF16; return ffi::Error::Success();
+    default: return Invalid(target, "dtype must be float32, bfloat16 or float16");
+  }
+}
+
+ffi::Error CheckHeadDim(const char* target, int64_t d) {
+  if (d < 1 || d > kMaxHeadDim)
+    return Invalid(target, "head dim must be in [1, " + std::to_string(kMaxHeadDim) + "]; got " + std::to_string(d));
+  return ffi::Error::Success();
+}
+
+ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::ResultBuffer<ffi::F32> lse, float scale, bool causal) {
+  constexpr const char* kTarget = "jaxflash_fwd";
+  FwdParams p;
+  if (auto e = ParseDims(kTarget, q, k, v, &p.dims); e.failure()) return e;
+  if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
+  cpu::DType dtype;
+  if (auto e = CpuDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "o", o->dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "lse", lse->dimensions(), StatShape(q.dimensions())); e.failure()) return e;
+  if (o->element_type() != q.element_type()) return Invalid(kTarget, "o must have q's dtype");
+  if (q.element_count() == 0) return ffi::Error::Success();
+  if (p.dims.seqlen_k == 0) {  // nothing to attend to: O = 0, LSE = -inf
+    std::memset(o->untyped_data(), 0, o->size_bytes());
+    std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
+    return ffi::Error::Success();
+  }
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.o = o->untyped_data();
+  p.lse = lse->typed_data();
+  p.scale = scale;
+  p.mask = CausalMask(p.dims, causal);
+  cpu::Forward(p, dtype);
+  return ffi::Error::Success();
+}
+
+ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                   ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::ResultBuffer<ffi::F32> dq_accum,
+                   ffi::ResultBuffer<ffi::F32> delta, float scale, bool causal) {
+  constexpr const char* kTarget = "jaxflash_bwd";
+  BwdParams p;
+  if (auto e = ParseDims(kTarget, q, k, v, &p.dims); e.failure()) return e;
+  if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
+  cpu::DType dtype;
+  if (auto e = CpuDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
+  const auto stat = StatShape(q.dimensions());
+  if (auto e = CheckShape(kTarget, "do", dout.dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "o", o.dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "lse", lse.dimensions(), stat); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "dlse", dlse.dimensions(), stat); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "dq", dq->dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "dk", dk->dimensions(), k.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "dv", dv->dimensions(), v.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "dq_accum", dq_accum->dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kTarget, "delta", delta->dimensions(), stat); e.failure()) return e;
+  for (auto t : {dout.element_type(), o.element_type(), dq->element_type(), dk->element_type(), dv->element_type()})
+    if (t != q.element_type()) return Invalid(kTarget, "do, o, dq, dk and dv must have q's dtype");
+  // Every output is written even when a length is 0 (zero gradients), so no caller sees garbage.
+  std::memset(dq->untyped_data(), 0, dq->size_bytes());
+  std::memset(dk->untyped_data(), 0, dk->size_bytes());
+  std::memset(dv->untyped_data(), 0, dv->size_bytes());
+  std::memset(dq_accum->untyped_data(), 0, dq_accum->size_bytes());
+  std::memset(delta->untyped_data(), 0, delta->size_bytes());
+  if (q.element_count() == 0 || k.element_count() == 0) return ffi::Error::Success();
+  p.dout = dout.untyped_data();
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.o = o.untyped_data();
+  p.lse = lse.typed_data();
+  p.dlse = dlse.typed_data();
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.dq_accum = dq_accum->typed_data();
+  p.delta = delta->typed_data();
+  p.scale = scale;
+  p.mask = CausalMask(p.dims, causal);
+  cpu::Backward(p, dtype);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxflash
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Ret<ffi::AnyBuffer>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // do
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq_accum (workspace)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // delta (workspace)
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal"));
+
+NB_MODULE(_jaxflash_cpu, m) {
+  m.def("registrations", [] {
+    nb::dict d;
+    d["jaxflash_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashFwdCpu));
+    d["jaxflash_bwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashBwdCpu));
+    return d;
+  });
+  m.def("block_sizes", [](int64_t head_dim) {
+    auto bs = jaxflash::cpu::ComputeBlockSizes(head_dim, jaxflash::cpu::CacheBudgetBytes());
+    return nb::make_tuple(bs.rows_q, bs.rows_k);
+  }, "(Br, Bc) the CPU kernel uses for this head dim.");
+}

@@ -1,0 +1,71 @@
+// Parameter structs shared by the CPU and CUDA kernels: raw pointers, element strides, sizes, scale and the
+// mask description. No XLA or CUDA types here, so both backends and the FFI handlers include it.
+//
+// Layout contract (all row-major, leading dims collapsed into `batch`):
+//   q, o, do, dq   [batch, seqlen_q, heads_q, head_dim]
+//   k, v, dk, dv   [batch, seqlen_k, heads_k, head_dim]
+//   lse, dlse, delta [batch, heads_q, seqlen_q]          float32; lse natural log, -inf for rows that see no key
+//   dq_accum       [batch, seqlen_q, heads_q, head_dim]  float32 workspace of the backward pass
+// K/V head of query head h is h / (heads_q / heads_k) (GQA/MQA share K/V by index, never repeated).
+#pragma once
+
+#include <cstdint>
+
+namespace jaxflash {
+
+// Which (query i, key j) pairs are visible. With c = i + diag_offset (diag_offset = Sk - Sq is the
+// bottom-right alignment FlashAttention uses), j is visible iff
+//   c - window_left <= j <= c + window_right,
+// where a negative side is unbounded. causal is window_right = 0. The predicate itself lives in mask.h.
+struct MaskParams {
+  int64_t diag_offset = 0;
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+};
+
+struct AttnDims {
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t heads_q = 0;
+  int64_t heads_k = 0;
+  int64_t head_dim = 0;
+
+  // Element strides of the contiguous layouts above.
+  int64_t q_row_stride() const { return heads_q * head_dim; }
+  int64_t q_batch_stride() const { return seqlen_q * heads_q * head_dim; }
+  int64_t k_row_stride() const { return heads_k * head_dim; }
+  int64_t k_batch_stride() const { return seqlen_k * heads_k * head_dim; }
+  int64_t group() const { return heads_q / heads_k; }
+};
+
+struct FwdParams {
+  AttnDims dims;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+  float scale = 1.0f;
+  MaskParams mask;
+};
+
+struct BwdParams {
+  AttnDims dims;
+  const void* dout = nullptr;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* o = nullptr;
+  const float* lse = nullptr;
+  const float* dlse = nullptr;  // cotangent of lse (zeros unless the caller differentiates through it)
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* dq_accum = nullptr;  // workspace, an FFI output
+  float* delta = nullptr;     // rowsum(dO * O) - dlse, an FFI output
+  float scale = 1.0f;
+  MaskParams mask;
+};
+
+}  // namespace jaxflash

@@ -1,0 +1,77 @@
+"""FFI target registration and the two calls, `fwd` and `bwd`. No validation and no defaults here:
+`attention.py` owns the contract; the C++ handlers re-check as a backstop."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from . import _jaxflash_cpu
+
+try:  # Built only where nvcc was found; with static cudart it imports on machines without a GPU.
+    from . import _jaxflash_cuda
+except ImportError:
+    _jaxflash_cuda = None
+
+for _name, _capsule in _jaxflash_cpu.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+if _jaxflash_cuda is not None:
+    for _name, _capsule in _jaxflash_cuda.registrations().items():
+        # Exactly "CUDA": registration is case-sensitive and "cuda" silently never matches.
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+def cuda_built() -> bool:
+    return _jaxflash_cuda is not None
+
+
+def _typeof(x):
+    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+
+
+def _stat_type(q):
+    """Type of a per-row statistic `[..., H, Sq]` float32 built from q's type, so that shard_map's
+    manual-axis info and an Explicit mesh's sharding carry over (research/jax_ffi.md §5.3)."""
+    t = _typeof(q)
+    shape = q.shape[:-3] + (q.shape[-2], q.shape[-3])
+    sharding = getattr(t, "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    if len(spec) == q.ndim and any(s is not None for s in spec):
+        new_spec = P(*spec[:-3], spec[-2], spec[-3])
+        return t.update(shape=shape, dtype=jnp.float32, sharding=sharding.update(spec=new_spec))
+    return t.update(shape=shape, dtype=jnp.float32)
+
+
+def _f32_like(x):
+    return _typeof(x).update(dtype=jnp.float32)
+
+
+def _attrs(scale: float, causal: bool) -> dict:
+    return dict(scale=np.float32(scale), causal=bool(causal))
+
+
+def fwd(q, k, v, *, scale: float, causal: bool):
+    """(q, k, v) -> (o, lse)."""
+    call = jax.ffi.ffi_call("jaxflash_fwd", (_typeof(q), _stat_type(q)), vmap_method="broadcast_all")
+    return call(q, k, v, **_attrs(scale, causal))
+
+
+def bwd(do, q, k, v, o, lse, dlse, *, scale: float, causal: bool):
+    """(do, q, k, v, o, lse, dlse) -> (dq, dk, dv); dlse is the cotangent of lse. The kernel's fp32
+    workspaces (dq accumulator, rowsum(dO * O) - dlse) are extra outputs owned by XLA, dropped here."""
+    out_types = (_typeof(q), _typeof(k), _typeof(v), _f32_like(q), _stat_type(q))
+    call = jax.ffi.ffi_call("jaxflash_bwd", out_types, vmap_method="broadcast_all")
+    dq, dk, dv, _, _ = call(do, q, k, v, o, lse, dlse, **_attrs(scale, causal))
+    return dq, dk, dv
+
+
+def cuda_has_bwd() -> bool:
+    return _jaxflash_cuda is not None and "jaxflash_bwd" in _jaxflash_cuda.registrations()
+
+
+def cuda_supported() -> set[tuple[str, int]]:
+    """(dtype name, head dim) pairs compiled into the CUDA module; empty without it."""
+    if _jaxflash_cuda is None:
+        return set()
+    return {(str(dtype), int(d)) for dtype, d in _jaxflash_cuda.supported_configs()}
