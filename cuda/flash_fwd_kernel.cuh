@@ -1,0 +1,375 @@
+// FlashAttention-2 forward on tensor cores (mma.sync m16n8k16, sm_80 and later), CuTe.
+//
+// Computes, for every (batch b, query head h, query row i):
+//   o[b, i, h, :] = softmax_j(scale · q[b,i,h,:]·k[b,j,hk,:], j visible to i) · v[b, :, hk, :]
+//   lse[b, h, i]  = log Σ_{j visible} exp(scale · q·k)          (natural log; −inf when no j is visible)
+// with hk = h / (Hq / Hk) (GQA/MQA by index). Layouts (params.h): q, o [B, Sq, Hq, D]; k, v [B, Sk, Hk, D];
+// lse [B, Hq, Sq] float32. Visibility comes from mask.h only. The LSE is the residual the backward pass
+// uses to recompute P = exp(scale·S − LSE) without a second softmax.
+//
+// One thread block owns kBlockM query rows of one (b, h) and loops over the visible K/V blocks, last to
+// first, so the blocks that need the per-element mask (the sequence tail, the causal diagonal) come first
+// and the rest run predicate-free. Q stays in shared memory; K and V blocks stream through kStages
+// shared-memory buffers each with cp.async; S and P never leave registers; O is written once.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "mask.h"
+#include "params.h"
+#include "softmax.cuh"
+#include "traits.cuh"
+
+namespace jaxflash {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_>
+struct FwdTraits {
+  using Element = Element_;
+  using Config = TileConfig<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kNWarps = Config::kNWarps;
+  static constexpr int kStages = Config::kStages;
+  static constexpr int kNThreads = kNWarps * 32;
+  // Two resident blocks per SM when four warps (<= 255 registers each); eight-warp tiles keep 255 too.
+  static constexpr int kMinBlocksPerSm = kNWarps == 4 ? 2 : 1;
+  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles of Q");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0);
+  static_assert(kStages >= 1);
+
+  // Warps split the query rows (FA2's "split-Q"): no reduction across warps is ever needed.
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>>;
+  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+
+  // Shared memory: 8-row atoms of 64 (or 32) columns, XOR-swizzled so that both the 16-byte cp.async
+  // stores and the ldmatrix loads are free of bank conflicts.
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzle = kBlockKSmem == 32 ? 2 : 3;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V seen as Vᵀ (D x N) for the B operand of P·V, read with ldmatrix.trans.
+  using SmemLayoutVt =
+      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutVtShape = Layout<Shape<Int<kHeadDim>, Int<kBlockN>>>;  // only to size register fragments
+
+  static constexpr int kQElems = kBlockM * kHeadDim;
+  static constexpr int kKVElems = kBlockN * kHeadDim;
+  static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  // Global memory: each thread moves 16 bytes per access, a row of kBlockKSmem columns per thread group.
+  static constexpr int kGmemElemsPerAccess = 16 / int(sizeof(Element));
+  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerAccess;
+  using GmemLayoutThreads = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemLayoutValues = Layout<Shape<_1, Int<kGmemElemsPerAccess>>>;
+  using GmemTiledCopyQKV = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
+                                                    GmemLayoutThreads{}, GmemLayoutValues{}));
+  using GmemTiledCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+                                                  GmemLayoutThreads{}, GmemLayoutValues{}));
+};
+
+// ---- small tile operations ---------------------------------------------------------------------------
+
+// The same tensor view moved by `offset` elements (a multiple of the swizzle period): another stage buffer.
+template <class TensorT>
+__forceinline__ __device__ auto at_offset(TensorT const& t, int offset) {
+  return make_tensor(t.data() + offset, t.layout());
+}
+
+// Copies the rows of a partitioned tile whose row coordinate is below `rows_left`; zero-fills the rest, so
+// that padding rows of K and V hold finite values (P is 0 there, and 0·NaN would be NaN).
+template <class TiledCopy, class Src, class Dst, class Coord>
+__forceinline__ __device__ void copy_rows(TiledCopy const& tiled_copy, Src const& src, Dst&& dst, Coord const& coord,
+                                          int64_t rows_left) {
+  CUTE_UNROLL
+  for (int i = 0; i < size<1>(src); ++i) {
+    if (get<0>(coord(0, i, 0)) < rows_left) {
+      copy(tiled_copy, src(_, i, _), dst(_, i, _));
+    } else {
+      clear(dst(_, i, _));
+    }
+  }
+}
+
+// acc += A·Bᵀ with both operands in shared memory; ldmatrix of k-slice k+1 overlaps the MMAs of slice k.
+template <class Acc, class RA, class RB, class SA, class SB, class TiledMma, class CopyA, class CopyB, class ThrCopyA,
+          class ThrCopyB>
+__forceinline__ __device__ void gemm_ss(Acc& acc, RA& rA, RB& rB, SA const& sA, SB const& sB, TiledMma& mma,
+                                        CopyA const& copy_a, CopyB const& copy_b, ThrCopyA const& thr_copy_a,
+                                        ThrCopyB const& thr_copy_b) {
+  Tensor rA_view = thr_copy_a.retile_D(rA);
+  Tensor rB_view = thr_copy_b.retile_D(rB);
+  copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) {
+      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    }
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// acc += A·Bᵀ with A already in registers (P) and B in shared memory.
+template <class Acc, class RA, class RB, class SB, class TiledMma, class CopyB, class ThrCopyB>
+__forceinline__ __device__ void gemm_rs(Acc& acc, RA const& rA, RB& rB, SB const& sB, TiledMma& mma,
+                                        CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
+  Tensor rB_view = thr_copy_b.retile_D(rB);
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// fp32 fragment -> Element fragment of the same layout (packed conversions).
+template <class To, class TensorT>
+__forceinline__ __device__ auto convert_fragment(TensorT const& t) {
+  using From = typename std::remove_cv_t<std::remove_reference_t<TensorT>>::value_type;
+  constexpr int kN = decltype(size(t))::value;
+  Tensor out = make_tensor<To>(t.layout());
+  cutlass::NumericArrayConverter<To, From, kN> convert;
+  *reinterpret_cast<cutlass::Array<To, kN>*>(raw_pointer_cast(out.data())) =
+      convert(*reinterpret_cast<const cutlass::Array<From, kN>*>(raw_pointer_cast(t.data())));
+  return out;
+}
+
+// The C fragment of two adjacent n8 atoms is exactly the A fragment of one k16 atom:
+// ((2,2), MMA_M, MMA_N) -> ((2,2,2), MMA_M, MMA_N/2). This is what lets P feed P·V from registers.
+template <class Layout>
+__forceinline__ __device__ auto acc_as_a_operand(Layout const& acc) {
+  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
+    flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+  using T = typename Tr::Element;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
+  using TileQ = Shape<Int<kM>, Int<kD>>;
+  using TileKV = Shape<Int<kN>, Int<kD>>;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const int tid = threadIdx.x;
+
+  const AttnDims& dims = p.dims;
+  const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
+  const int64_t num_m_blocks = (seqlen_q + kM - 1) / kM;
+  // m-blocks of one head are adjacent in launch order (they share K/V in L2); the heaviest causal block
+  // of each head goes first so the light ones fill the tail of the grid.
+  const int64_t block_id = blockIdx.x;
+  const int64_t m_block = num_m_blocks - 1 - block_id % num_m_blocks;
+  const int64_t bh = block_id / num_m_blocks;
+  const int64_t head = bh % dims.heads_q, batch = bh / dims.heads_q;
+  const int64_t head_k = head / (dims.heads_q / dims.heads_k);
+  // Element strides of the contiguous layouts (params.h's helpers are host-only).
+  const int64_t q_row_stride = dims.heads_q * kD, k_row_stride = dims.heads_k * kD;
+  const int64_t m0 = m_block * kM;
+  const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
+
+  // 64-bit element offsets: tensors may exceed 2^31 elements.
+  const int64_t q_off = batch * seqlen_q * q_row_stride + head * kD;
+  const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
+  float* lse_row = p.lse + (batch * dims.heads_q + head) * seqlen_q + m0;
+
+  Tensor mO = make_tensor(make_gmem_ptr(static_cast<T*>(p.o) + q_off), make_shape(seqlen_q, Int<kD>{}),
+                          make_stride(q_row_stride, _1{}));
+  Tensor gO = local_tile(mO, TileQ{}, make_coord(m_block, 0));
+  Tensor cQ = make_identity_tensor(TileQ{});  // (row, col) inside the Q/O tile
+  typename Tr::GmemTiledCopyO gmem_copy_o;
+  auto gmem_thr_copy_o = gmem_copy_o.get_thread_slice(tid);
+  Tensor tOgO = gmem_thr_copy_o.partition_D(gO);
+  Tensor tOcO = gmem_thr_copy_o.partition_D(cQ);
+
+  int64_t key_begin, key_end;
+  visible_key_range(p.mask, m0, m_end, seqlen_k, &key_begin, &key_end);
+  const int n_block_min = int(key_begin / kN);
+  const int n_block_max = key_end > key_begin ? int((key_end + kN - 1) / kN) : n_block_min;
+  const int n_iters = n_block_max - n_block_min;
+
+  if (n_iters <= 0) {  // no row of this block sees any key: O = 0, LSE = −inf
+    Tensor zeros = make_tensor<T>(shape(tOgO));
+    clear(zeros);
+    copy_rows(gmem_copy_o, zeros, tOgO, tOcO, m_end - m0);
+    for (int r = tid; r < m_end - m0; r += Tr::kNThreads) lse_row[r] = -INFINITY;
+    return;
+  }
+
+  // ---- global and shared tiles ----
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<const T*>(p.q) + q_off), make_shape(seqlen_q, Int<kD>{}),
+                          make_stride(q_row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<const T*>(p.k) + k_off), make_shape(seqlen_k, Int<kD>{}),
+                          make_stride(k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(static_cast<const T*>(p.v) + k_off), make_shape(seqlen_k, Int<kD>{}),
+                          make_stride(k_row_stride, _1{}));
+  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));  // (M, D)
+  Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));       // (N, D, n_blocks)
+  Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
+
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Tr::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem + Tr::kQElems), typename Tr::SmemLayoutKV{});  // stage 0
+  T* smem_v = smem + Tr::kQElems + kStages * Tr::kKVElems;
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Tr::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem_v), typename Tr::SmemLayoutVt{});
+  Tensor sVtShape = make_tensor(make_smem_ptr(smem_v), typename Tr::SmemLayoutVtShape{});
+
+  typename Tr::GmemTiledCopyQKV gmem_copy;
+  auto gmem_thr_copy = gmem_copy.get_thread_slice(tid);
+  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+  Tensor tQcQ = gmem_thr_copy.partition_S(cQ);
+  Tensor tKgK = gmem_thr_copy.partition_S(gK);  // (CPY, CPY_N, CPY_D, n_blocks)
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);
+  Tensor tVgV = gmem_thr_copy.partition_S(gV);
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+
+  typename Tr::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);         // (MMA, MMA_M, MMA_D)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);         // (MMA, MMA_N, MMA_D)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtShape);  // (MMA, MMA_D, MMA_N)
+  Tensor acc_o = partition_fragment_C(tiled_mma, TileQ{});
+  clear(acc_o);
+
+  auto smem_copy_q = make_tiled_copy_A(typename Tr::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_q = smem_copy_q.get_thread_slice(tid);
+  Tensor tSsQ = smem_thr_copy_q.partition_S(sQ);
+  auto smem_copy_k = make_tiled_copy_B(typename Tr::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_k = smem_copy_k.get_thread_slice(tid);
+  Tensor tSsK = smem_thr_copy_k.partition_S(sK);
+  auto smem_copy_v = make_tiled_copy_B(typename Tr::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_copy_v = smem_copy_v.get_thread_slice(tid);
+  Tensor tOsVt = smem_thr_copy_v.partition_S(sVt);
+
+  // (row, col) of each score this thread holds, for the mask.
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+
+  // ---- the K/V pipeline ----
+  // Block i of the loop is n_block_max − 1 − i; its K and V live in stage i % kStages. Commit groups go
+  // out in the order [Q+K_0], V_0, K_1, V_1, ...; iteration i issues V_{i+S−1} once every thread is past
+  // P·V_{i−1} and K_{i+S} once every thread is past Q·K_iᵀ. So 2(S−1) groups may still be in flight when
+  // K_i or V_i is needed. Empty groups are committed past the end to keep that count exact.
+  auto load_k = [&](int i) {
+    if (i < n_iters) {
+      const int n_block = n_block_max - 1 - i;
+      copy_rows(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, (i % kStages) * Tr::kKVElems), tKVcKV,
+                seqlen_k - int64_t(n_block) * kN);
+    }
+    cp_async_fence();
+  };
+  auto load_v = [&](int i) {
+    if (i < n_iters) {
+      const int n_block = n_block_max - 1 - i;
+      copy_rows(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, (i % kStages) * Tr::kKVElems), tKVcKV,
+                seqlen_k - int64_t(n_block) * kN);
+    }
+    cp_async_fence();
+  };
+
+  copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, m_end - m0);
+  load_k(0);  // the first group also carries Q
+  CUTE_UNROLL
+  for (int s = 0; s + 1 < kStages; ++s) {
+    load_v(s);
+    load_k(s + 1);
+  }
+
+  constexpr int kInFlight = 2 * (kStages - 1);
+  const float scale_log2 = p.scale * 1.4426950408889634f;  // exp(x) = exp2(x·log2(e))
+  constexpr int kRows = 2 * decltype(size<1>(acc_o))::value;  // query rows this thread holds
+  OnlineSoftmax<kRows> softmax;
+
+  for (int i = 0; i < n_iters; ++i) {
+    const int n_block = n_block_max - 1 - i;
+    const int64_t n0 = int64_t(n_block) * kN;
+    const int stage_offset = (i % kStages) * Tr::kKVElems;
+
+    cp_async_wait<kInFlight>();  // K_i (and Q) landed
+    __syncthreads();
+    load_v(i + kStages - 1);
+
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kM>, Int<kN>>{});
+    clear(acc_s);
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage_offset), tiled_mma, smem_copy_q, smem_copy_k,
+            smem_thr_copy_q, smem_thr_copy_k);
+
+    cp_async_wait<kInFlight>();  // V_i landed
+    __syncthreads();
+    load_k(i + kStages);
+
+    // Only blocks that straddle the sequence end or the mask boundary pay the per-element predicate.
+    const bool needs_mask =
+        n0 + kN > seqlen_k || !block_fully_visible(p.mask, m0, m_end, n0, cute::min(n0 + kN, seqlen_k));
+    if (needs_mask) {
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) {
+        const int64_t row = m0 + get<0>(tScS(e));
+        const int64_t col = n0 + get<1>(tScS(e));
+        if (col >= seqlen_k || !is_visible(p.mask, row, col)) acc_s(e) = -INFINITY;
+      }
+    }
+
+    Tensor s_rc = rowcol(acc_s);
+    Tensor o_rc = rowcol(acc_o);
+    softmax.update(s_rc, o_rc, scale_log2);
+
+    Tensor rP = convert_fragment<T>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+    gemm_rs(acc_o, tOrP, tOrVt, at_offset(tOsVt, stage_offset), tiled_mma, smem_copy_v, smem_thr_copy_v);
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: normalise, stage O through shared memory for 16-byte stores, write O and LSE ----
+  float lse[kRows];
+  {
+    Tensor o_rc = rowcol(acc_o);
+    softmax.finalize(o_rc, p.scale, lse);
+  }
+  Tensor rO = convert_fragment<T>(acc_o);
+  Tensor sO = make_tensor(sQ.data(), typename Tr::SmemLayoutQ{});
+  auto smem_copy_o = make_tiled_copy_C(typename Tr::SmemCopyAtomO{}, tiled_mma);
+  auto smem_thr_copy_o = smem_copy_o.get_thread_slice(tid);
+  Tensor taccOrO = smem_thr_copy_o.retile_S(rO);
+  Tensor taccOsO = smem_thr_copy_o.partition_D(sO);
+  __syncthreads();  // every warp is done reading sQ
+  copy(smem_copy_o, taccOrO, taccOsO);
+  __syncthreads();
+  Tensor tOsO = gmem_thr_copy_o.partition_S(sO);
+  Tensor tOrO = make_tensor<T>(shape(tOgO));
+  copy(gmem_copy_o, tOsO, tOrO);
+  copy_rows(gmem_copy_o, tOrO, tOgO, tOcO, m_end - m0);
+
+  Tensor tOcO_acc = rowcol(thr_mma.partition_C(cQ));  // (row, col) of this thread's O rows
+  if (get<1>(tOcO_acc(0, 0)) == 0) {                   // one thread of each quad writes the row's LSE
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(tOcO_acc); ++r) {
+      const int row = get<0>(tOcO_acc(r, 0));
+      if (row < m_end - m0) lse_row[row] = lse[r];
+    }
+  }
+}
+
+}  // namespace jaxflash
