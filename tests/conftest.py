@@ -1,0 +1,79 @@
+"""Shared test helpers: random inputs, the float64 oracle, and FlashAttention's tolerance rule."""
+from __future__ import annotations
+
+import os
+import sys
+
+# Four host devices so the shard_map tests shard for real (must precede the first jax import).
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import oracle  # noqa: E402
+
+import jaxflash  # noqa: E402
+from jaxflash import reference  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")  # the naive float32 baseline must be float32
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Absolute floor added to 2x the naive error: covers the case where the naive computation happens to
+# be exact (e.g. Sk = 1) while the kernel rounds once more.
+FLOOR = {"float32": 2e-5, "bfloat16": 2e-3, "float16": 5e-4}
+
+
+def pytest_collection_modifyitems(config, items):
+    on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not on_gpu:
+            item.add_marker(skip)
+
+
+def make_inputs(seed, lead, sq, sk, hq, hk, d, dtype):
+    """Random normal q, k, v, do (rounded to dtype) as JAX arrays in `dtype`."""
+    rng = np.random.default_rng(seed)
+    shapes = [(*lead, sq, hq, d), (*lead, sk, hk, d), (*lead, sk, hk, d), (*lead, sq, hq, d)]
+    return [jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype) for s in shapes]
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def check_close(name, got, ref64, naive, dtype_name, case=""):
+    """FlashAttention's rule: max|kernel - ref| <= 2 * max|naive - ref| + floor, where `naive` is the
+    same computation done plainly in the input dtype and `ref` is float64. -inf entries must match."""
+    got, naive = f64(got), f64(naive)
+    ref64 = np.asarray(ref64, np.float64)
+    inf = np.isinf(ref64)
+    np.testing.assert_array_equal(np.isinf(got), inf, err_msg=f"{name}: infinities differ ({case})")
+    assert np.all(np.isfinite(got[~inf])), f"{name}: non-finite values ({case})"
+    err = float(np.max(np.abs(got[~inf] - ref64[~inf]), initial=0.0))
+    base = float(np.max(np.abs(naive[~inf] - ref64[~inf]), initial=0.0))
+    bound = 2 * base + FLOOR[dtype_name]
+    assert err <= bound, f"{name}: kernel error {err:.3e} > 2 x naive error {base:.3e} + floor ({case})"
+
+
+def naive_forward(q, k, v, causal, scale=None):
+    return reference.attention_with_lse(q, k, v, causal=causal, scale=scale)
+
+
+def naive_grads(q, k, v, do, causal, scale=None):
+    _, vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, causal=causal, scale=scale), q, k, v)
+    return vjp(do)
+
+
+def kernel_grads(q, k, v, do, causal, scale=None, backend=None):
+    _, vjp = jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, scale=scale, backend=backend),
+                     q, k, v)
+    return vjp(do)
+
+
+@pytest.fixture
+def oracle_module():
+    return oracle

@@ -1,0 +1,87 @@
+"""One case per validation branch of jaxflash.attention: the exception type and a message naming the
+argument and the value received. Also the FFI handlers' own checks (the backstop)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import _ffi
+
+
+def arr(*shape, dtype=jnp.float32):
+    return jnp.zeros(shape, dtype)
+
+
+Q, K = arr(2, 8, 4, 16), arr(2, 8, 2, 16)
+
+CASES = [
+    ("not an array", ([[1.0]], K, K), {}, TypeError, r"query must be an array; got list"),
+    ("rank", (arr(8, 16), K, K), {}, ValueError, r"query must have rank >= 3 .*got shape \(8, 16\)"),
+    ("ranks differ", (arr(1, 2, 8, 4, 16), K, K), {}, ValueError, r"same rank; got query \(1, 2, 8, 4, 16\)"),
+    ("leading dims", (Q, arr(3, 8, 2, 16), arr(3, 8, 2, 16)), {}, ValueError, r"share leading .*key \(3, 8, 2, 16\)"),
+    ("k/v shapes", (Q, K, arr(2, 9, 2, 16)), {}, ValueError, r"key and value must have the same shape; got key "
+                                                               r"\(2, 8, 2, 16\), value \(2, 9, 2, 16\)"),
+    ("head dims", (Q, arr(2, 8, 2, 32), arr(2, 8, 2, 32)), {}, ValueError, r"same head dim; got query 16, key 32"),
+    ("head dim 0", (arr(2, 8, 4, 0), arr(2, 8, 2, 0), arr(2, 8, 2, 0)), {}, ValueError, r"head dim .*got 0"),
+    ("head dim 320", (arr(2, 8, 4, 320), arr(2, 8, 2, 320), arr(2, 8, 2, 320)), {}, ValueError,
+     r"head dim must be in \[1, 256\]; got 320"),
+    ("heads", (Q, arr(2, 8, 3, 16), arr(2, 8, 3, 16)), {}, ValueError, r"multiple of key/value heads; got 4 .* 3"),
+    ("dtypes differ", (Q, arr(2, 8, 2, 16, dtype=jnp.bfloat16), K), {}, TypeError,
+     r"share a dtype; got query=float32, key=bfloat16"),
+    ("integer dtype", (arr(2, 8, 4, 16, dtype=jnp.int32), arr(2, 8, 2, 16, dtype=jnp.int32),
+                       arr(2, 8, 2, 16, dtype=jnp.int32)), {}, TypeError, r"float32, bfloat16 or float16; got int32"),
+    ("scale zero", (Q, K, K), {"scale": 0.0}, ValueError, r"scale must be finite and positive; got 0.0"),
+    ("scale negative", (Q, K, K), {"scale": -1.0}, ValueError, r"finite and positive; got -1.0"),
+    ("scale nan", (Q, K, K), {"scale": float("nan")}, ValueError, r"finite and positive; got nan"),
+    ("scale inf", (Q, K, K), {"scale": float("inf")}, ValueError, r"finite and positive; got inf"),
+    ("scale string", (Q, K, K), {"scale": "big"}, TypeError, r"scale must be a number; got 'big'"),
+    ("causal not bool", (Q, K, K), {"causal": 1}, TypeError, r"causal must be a Python bool; got 1"),
+    ("return_lse not bool", (Q, K, K), {"return_lse": "yes"}, TypeError, r"return_lse must be a Python bool"),
+    ("backend", (Q, K, K), {"backend": "tpu"}, ValueError, r"backend must be one of .*got 'tpu'"),
+]
+
+
+@pytest.mark.parametrize("args,kwargs,exc,match", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_validation(args, kwargs, exc, match):
+    with pytest.raises(exc, match=r"^jaxflash\.attention: .*" + match):
+        jaxflash.attention(*args, **kwargs)
+
+
+def test_traced_scale_is_rejected():
+    with pytest.raises(TypeError, match="scale must be a static Python number"):
+        jax.jit(lambda s: jaxflash.attention(Q, K, K, scale=s))(0.5)
+
+
+def test_cuda_backend_without_gpu():
+    if _ffi.cuda_built():
+        match = "needs the inputs on a GPU"
+        exc = ValueError
+    else:
+        match, exc = "built without its CUDA module", RuntimeError
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(exc, match=match):
+        jaxflash.attention(Q, K, K, backend="cuda")
+
+
+def test_errors_raise_at_trace_time_under_jit():
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        jax.jit(lambda q, k: jaxflash.attention(q, k, k)).lower(Q, arr(2, 8, 3, 16))
+
+
+# The handlers re-check what the Python layer already checked: a direct FFI call with bad shapes must
+# come back as an error, never a crash.
+@pytest.mark.parametrize("q,k,v,match", [
+    (arr(2, 8, 4, 16), arr(2, 8, 3, 16), arr(2, 8, 3, 16), "query heads must be a multiple"),
+    (arr(2, 8, 4, 300), arr(2, 8, 4, 300), arr(2, 8, 4, 300), r"head dim must be in \[1, 256\]; got 300"),
+    (arr(2, 8, 4, 16), arr(3, 8, 4, 16), arr(3, 8, 4, 16), "share leading dims"),
+    (arr(8, 16), arr(8, 16), arr(8, 16), "rank >= 3"),
+    (arr(2, 8, 4, 16, dtype=jnp.int32),) * 3 + ("dtype must be float32, bfloat16 or float16",),
+])
+def test_handler_rejects_bad_shapes(q, k, v, match):
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct(q.shape[:-3] + (q.shape[-2], q.shape[-3]) if q.ndim >= 3 else (1,), jnp.float32))
+    call = jax.ffi.ffi_call("jaxflash_fwd", out_types)
+    with pytest.raises(Exception, match="jaxflash_fwd: .*" + match):
+        jax.block_until_ready(call(q, k, v, scale=np.float32(1.0), causal=False))
