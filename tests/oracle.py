@@ -22,9 +22,11 @@ def attention(q, k, v, *, causal=False, scale=None, do=None):
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     hq, hk = q.shape[-2], k.shape[-2]
     g = hq // hk
-    kr = np.repeat(k, g, axis=-2)
-    vr = np.repeat(v, g, axis=-2)
-    s = np.einsum("...qhd,...khd->...hqk", q, kr) * scale
+    # Work in [..., H, S, D] so every product is a batched matmul (BLAS), not an einsum loop.
+    qt = np.swapaxes(q, -2, -3)
+    kt = np.swapaxes(np.repeat(k, g, axis=-2), -2, -3)
+    vt = np.swapaxes(np.repeat(v, g, axis=-2), -2, -3)
+    s = (qt @ np.swapaxes(kt, -1, -2)) * scale
     mask = visible_mask(q.shape[-3], k.shape[-3], causal)
     s = np.where(mask, s, -np.inf)
     m = s.max(-1, keepdims=True)
@@ -32,17 +34,17 @@ def attention(q, k, v, *, causal=False, scale=None, do=None):
     e = np.exp(s - m_safe)
     l = e.sum(-1, keepdims=True)
     p = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
-    o = np.einsum("...hqk,...khd->...qhd", p, vr)
+    o = np.swapaxes(p @ vt, -2, -3)
     with np.errstate(divide="ignore"):
         lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m_safe[..., 0], -np.inf)
     if do is None:
         return o, lse
-    do = np.asarray(do, np.float64)
-    dp = np.einsum("...qhd,...khd->...hqk", do, vr)
-    dvr = np.einsum("...hqk,...qhd->...khd", p, do)
+    dot = np.swapaxes(np.asarray(do, np.float64), -2, -3)
+    dp = dot @ np.swapaxes(vt, -1, -2)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True))
-    dq = np.einsum("...hqk,...khd->...qhd", ds, kr) * scale
-    dkr = np.einsum("...hqk,...qhd->...khd", ds, q) * scale
+    dq = np.swapaxes(ds @ kt, -2, -3) * scale
+    dkr = np.swapaxes(np.swapaxes(ds, -1, -2) @ qt, -2, -3) * scale  # [..., Sk, Hq, D]
+    dvr = np.swapaxes(np.swapaxes(p, -1, -2) @ dot, -2, -3)
     shape_k = k.shape[:-2] + (hk, g, d)
     dk = dkr.reshape(shape_k).sum(-2)
     dv = dvr.reshape(shape_k).sum(-2)
