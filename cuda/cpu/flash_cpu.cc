@@ -80,12 +80,6 @@ void ParallelFor(int64_t n, int64_t flops_per_item, MakeScratch make_scratch, Bo
   for (auto& t : threads) t.join();
 }
 
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 inline void Axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
@@ -98,12 +92,31 @@ void LoadTile(Tag tag, const typename Tag::Storage* src, int64_t rows, int64_t d
     for (int64_t c = 0; c < d; ++c) dst[r * d + c] = ToFloat(tag, src[r * stride + c]) * mul;
 }
 
-// Scores of one tile: s[r][c] = q[r] . k[c], -inf where the mask hides (i, j).
-void Scores(const float* q, const float* k, int64_t rows, int64_t cols, int64_t d, int64_t row0, int64_t col0,
-            const MaskParams& mask, bool full, float* s, int64_t ld) {
+// Copies `rows` rows of `d` elements, `stride` apart, transposed: dst[c * ld + r] = src[r][c].
+template <typename Tag>
+void LoadTileT(Tag tag, const typename Tag::Storage* src, int64_t rows, int64_t d, int64_t stride, float* dst,
+               int64_t ld) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      s[r * ld + c] = (full || is_visible(mask, row0 + r, col0 + c)) ? Dot(q + r * d, k + c * d, d) : kNegInf;
+    for (int64_t c = 0; c < d; ++c) dst[c * ld + r] = ToFloat(tag, src[r * stride + c]);
+}
+
+// One row of products a[r] . B for a tile B given transposed (bt[c * ld + j]), as axpys over the tile's
+// columns: unlike a dot product this vectorises without reassociating the sum.
+inline void RowTimesTileT(const float* a, const float* bt, int64_t d, int64_t cols, int64_t ld, float* out) {
+  std::fill(out, out + cols, 0.f);
+  for (int64_t c = 0; c < d; ++c) Axpy(a[c], bt + c * ld, out, cols);
+}
+
+// Scores of one tile: s[r][c] = q[r] . k[c] (k given transposed), -inf where the mask hides (i, j).
+void Scores(const float* q, const float* kt, int64_t rows, int64_t cols, int64_t d, int64_t row0, int64_t col0,
+            const MaskParams& mask, bool full, float* s, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* srow = s + r * ld;
+    RowTimesTileT(q + r * d, kt, d, cols, ld, srow);
+    if (!full)
+      for (int64_t c = 0; c < cols; ++c)
+        if (!is_visible(mask, row0 + r, col0 + c)) srow[c] = kNegInf;
+  }
 }
 
 struct Tiles {
@@ -162,7 +175,7 @@ void ForwardImpl(const FwdParams& p) {
     visible_key_range(p.mask, row0, row0 + rows, dm.seqlen_k, &key_begin, &key_end);
     for (int64_t col0 = key_begin; col0 < key_end; col0 += bc) {  // fully masked blocks never visited
       const int64_t cols = std::min(bc, key_end - col0);
-      LoadTile(tag, kp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), 1.f, w.k.data());
+      LoadTileT(tag, kp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), w.k.data(), bc);
       LoadTile(tag, vp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), 1.f, w.v.data());
       const bool full = block_fully_visible(p.mask, row0, row0 + rows, col0, col0 + cols);
       Scores(w.q.data(), w.k.data(), rows, cols, D, row0, col0, p.mask, full, w.s.data(), bc);
@@ -197,16 +210,19 @@ void ForwardImpl(const FwdParams& p) {
 }
 
 // --- backward -------------------------------------------------------------------------------------
-// P and dS of one tile from recomputed scores. q is pre-scaled, so dS here is d(loss)/d(scaled S).
-void ProbsAndGrads(const float* q, const float* k, const float* v, const float* dout, const float* lse,
+// P and dS of one tile from recomputed scores (K and V given transposed). q is pre-scaled, so dS here
+// is d(loss)/d(scaled S).
+void ProbsAndGrads(const float* q, const float* kt, const float* vt, const float* dout, const float* lse,
                    const float* delta, int64_t rows, int64_t cols, int64_t D, int64_t row0, int64_t col0,
                    const MaskParams& mask, bool full, float* pt, float* ds, int64_t ld) {
-  Scores(q, k, rows, cols, D, row0, col0, mask, full, pt, ld);
+  Scores(q, kt, rows, cols, D, row0, col0, mask, full, pt, ld);
   for (int64_t r = 0; r < rows; ++r) {
+    float* prow = pt + r * ld;
+    float* dsrow = ds + r * ld;
+    RowTimesTileT(dout + r * D, vt, D, cols, ld, dsrow);  // dP
     for (int64_t c = 0; c < cols; ++c) {
-      float& pv = pt[r * ld + c];
-      pv = (lse[r] == kNegInf || pv == kNegInf) ? 0.f : std::exp(pv - lse[r]);
-      ds[r * ld + c] = pv == 0.f ? 0.f : pv * (Dot(dout + r * D, v + c * D, D) - delta[r]);
+      prow[c] = (lse[r] == kNegInf || prow[c] == kNegInf) ? 0.f : std::exp(prow[c] - lse[r]);
+      dsrow[c] = prow[c] * (dsrow[c] - delta[r]);
     }
   }
 }
@@ -255,8 +271,8 @@ void BackwardImpl(const BwdParams& p) {
     const int64_t hk = (item / tiles.num_k_blocks) % dm.heads_k;
     const int64_t b = item / (tiles.num_k_blocks * dm.heads_k);
     const int64_t col0 = kb * bc, cols = std::min(bc, dm.seqlen_k - col0);
-    LoadTile(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.k.data());
-    LoadTile(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.v.data());
+    LoadTileT(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.k.data(), bc);
+    LoadTileT(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.v.data(), bc);
     float* dk = w.acc_a.data();
     float* dv = w.acc_b.data();
     std::fill(dk, dk + cols * D, 0.f);
@@ -308,8 +324,9 @@ void BackwardImpl(const BwdParams& p) {
     visible_key_range(p.mask, row0, row0 + rows, dm.seqlen_k, &key_begin, &key_end);
     for (int64_t col0 = key_begin; col0 < key_end; col0 += bc) {
       const int64_t cols = std::min(bc, key_end - col0);
-      LoadTile(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.k.data());
-      LoadTile(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.v.data());
+      LoadTileT(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.k.data(), bc);
+      LoadTileT(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.v.data(), bc);
+      LoadTile(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.acc_b.data());
       const bool full = block_fully_visible(p.mask, row0, row0 + rows, col0, col0 + cols);
       ProbsAndGrads(w.q.data(), w.k.data(), w.v.data(), w.dout.data(), p.lse + stat_off(b, h, row0),
                     p.delta + stat_off(b, h, row0), rows, cols, D, row0, col0, p.mask, full, w.p.data(),
@@ -317,7 +334,7 @@ void BackwardImpl(const BwdParams& p) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c) {
           const float dsv = w.ds[r * bc + c];
-          if (dsv != 0.f) Axpy(dsv, w.k.data() + c * D, dq + r * D, D);
+          if (dsv != 0.f) Axpy(dsv, w.acc_b.data() + c * D, dq + r * D, D);
         }
     }
     T* dqp = static_cast<T*>(p.dq) + q_off(b, row0, h);
