@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The one-command GPU check of the CUDA forward kernel, for a GPU machine without network access
+# (jax with its CUDA plugin, nvcc, cmake, nanobind, scikit-build-core, pytest and nvidia-cutlass installed;
+# a wheel of nvidia-cutlass in .whl/ is installed to /tmp/site when the package is missing).
+#   1. build and install jaxflash without build isolation, CUDA required (JAXFLASH_CUDA=ON);
+#   2. pytest -m gpu (forward vs the float64 oracle, every dtype and head dim, odd lengths, GQA, causal);
+#   3. compute-sanitizer memcheck and racecheck on small cases;
+#   4. the benchmark (benchmarks/bench_gpu.py; BENCH_ARGS passes options, e.g. --quick).
+# Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table.
+# Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BENCH=1, PYTEST_ARGS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG="${OUT:-$(mktemp -d)}"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+declare -a NAMES=() RESULTS=()
+verdict() { NAMES+=("$1"); RESULTS+=("$2"); }
+
+if ! "$PY" -c "import cutlass_library" 2>/dev/null && ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/nvidia_cutlass-*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+echo "== build ($(nproc) cores)"
+start=$(date +%s)
+if JAXFLASH_CUDA=ON "$PY" -m pip install --no-build-isolation --no-deps -v . >"$LOG/build.log" 2>&1; then
+  verdict build "ok ($(( $(date +%s) - start )) s)"
+else
+  tail -40 "$LOG/build.log"; verdict build "FAIL (see build.log)"
+fi
+cd /tmp  # import the installed package, not the source tree
+REPO="$OLDPWD"
+
+echo "== pytest -m gpu"
+if "$PY" -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} "$REPO/tests" >"$LOG/pytest.log" 2>&1; then
+  verdict "pytest -m gpu" "ok: $(tail -1 "$LOG/pytest.log")"
+else
+  grep -E "^(FAILED|ERROR)|Error|assert" "$LOG/pytest.log" | head -30
+  verdict "pytest -m gpu" "FAIL: $(tail -1 "$LOG/pytest.log")"
+fi
+
+cat >/tmp/jaxflash_small.py <<'PYEOF'
+import jax, jax.numpy as jnp, numpy as np, jaxflash
+rng = np.random.default_rng(0)
+for dtype, d, sq, sk, hq, hk, causal in [("bfloat16", 64, 113, 203, 4, 2, True), ("float16", 128, 239, 77, 2, 1, True),
+                                         ("bfloat16", 256, 130, 130, 2, 2, False), ("bfloat16", 32, 1, 1, 1, 1, False),
+                                         ("bfloat16", 96, 200, 65, 3, 1, False), ("float16", 192, 65, 300, 2, 2, True)]:
+    q = jnp.asarray(rng.standard_normal((2, sq, hq, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((2, sk, hk, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((2, sk, hk, d)), dtype)
+    o = jaxflash.attention(q, k, v, causal=causal, backend="cuda")
+    assert np.isfinite(np.asarray(o, np.float32)).all()
+print("small cases ran")
+PYEOF
+for tool in memcheck racecheck; do
+  echo "== compute-sanitizer --tool $tool"
+  if compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name regex:flash_fwd "$PY" /tmp/jaxflash_small.py \
+      >"$LOG/sanitizer_$tool.log" 2>&1; then
+    verdict "sanitizer $tool" "ok: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_$tool.log" | tail -1)"
+  else
+    tail -20 "$LOG/sanitizer_$tool.log"
+    verdict "sanitizer $tool" "FAIL: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_$tool.log" | tail -1)"
+  fi
+done
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  echo "== benchmark"
+  if "$PY" "$REPO/benchmarks/bench_gpu.py" ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log"; then
+    verdict benchmark "ok (bench.log)"
+  else
+    verdict benchmark "FAIL (bench.log)"
+  fi
+fi
+
+echo
+echo "== verdict (logs: $LOG)"
+for i in "${!NAMES[@]}"; do printf '%-22s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
