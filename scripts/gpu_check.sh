@@ -21,6 +21,8 @@ if ! "$PY" -c "import cutlass_library" 2>/dev/null && ls .whl/nvidia_cutlass-*.w
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null); $(nvcc --version | tail -1); \
+jax $("$PY" -c 'import jax; print(jax.__version__)' 2>/dev/null); commit $(git rev-parse --short HEAD 2>/dev/null)"
 echo "== build ($(nproc) cores)"
 start=$(date +%s)
 if JAXFLASH_CUDA=ON "$PY" -m pip install --no-build-isolation --no-deps -v . >"$LOG/build.log" 2>&1; then

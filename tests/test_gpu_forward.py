@@ -8,6 +8,8 @@ key must be exactly O = 0 and LSE = -inf.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,7 @@ def _need_cuda_module():
         pytest.skip("jaxflash was built without its CUDA module")
 
 
-@jax.jit(static_argnames=("causal",))
+@functools.partial(jax.jit, static_argnames=("causal",))
 def _kernel(q, k, v, causal):
     return jaxflash.attention(q, k, v, causal=causal, return_lse=True, backend="cuda")
 
