@@ -60,6 +60,70 @@ inline uint16_t FromFloat(F16, float x) {
   return u;
 }
 
+// Eight floats (ints) as one GCC/Clang vector: two SSE registers on baseline x86-64, one AVX register
+// where the compiler may use it. Spelling vectors out keeps the compiler from vectorising the wrong loop.
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef int32_t Int8 __attribute__((vector_size(32)));
+
+inline Vec8 Load8(const float* p) {
+  Vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline Vec8 Splat8(float x) { return Vec8{x, x, x, x, x, x, x, x}; }
+
+// exp(x), eight at a time (libm's expf is a scalar call): x log2(e) = n + f with n an integer and
+// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 2e-7, about 1 ulp), 2^n put into the
+// exponent bits. Inputs below -87 (incl. -inf) give exactly 0; the softmax never passes more than 0, as it
+// subtracts the running max first.
+inline Vec8 Exp8(Vec8 x) {
+  const Vec8 lo = Splat8(-87.f);
+  const Vec8 t = (x < lo ? lo : x) * Splat8(1.44269504088896341f);
+  const Int8 n = __builtin_convertvector(t + (t >= Splat8(0.f) ? Splat8(0.5f) : Splat8(-0.5f)), Int8);
+  const Vec8 f = t - __builtin_convertvector(n, Vec8);
+  Vec8 p = Splat8(1.5403530393381606e-4f);  // ln(2)^k / k!, k = 6 .. 0
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.f;
+  const Vec8 two_n = reinterpret_cast<Vec8>((n + 127) << 23);
+  return x < lo ? Splat8(0.f) : p * two_n;
+}
+
+inline float Exp(float x) { return Exp8(Splat8(x))[0]; }
+
+// Row max and exp-and-sum, eight lanes at a time (a single running max or sum is a serial dependency).
+inline float RowMax(const float* x, int64_t n) {
+  Vec8 lanes = Splat8(kNegInf);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const Vec8 v = Load8(x + i);
+    lanes = v > lanes ? v : lanes;
+  }
+  float m = kNegInf;
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  for (int j = 0; j < 8; ++j) m = std::max(m, lanes[j]);
+  return m;
+}
+
+// x[i] = exp(x[i] - shift); returns the sum.
+inline float ExpShiftSum(float* x, int64_t n, float shift) {
+  Vec8 lanes = Splat8(0.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const Vec8 e = Exp8(Load8(x + i) - shift);
+    Store8(x + i, e);
+    lanes += e;
+  }
+  float sum = 0.f;
+  for (; i < n; ++i) sum += (x[i] = Exp(x[i] - shift));
+  for (int j = 0; j < 8; ++j) sum += lanes[j];
+  return sum;
+}
+
 // --- a minimal parallel-for: n independent items over the machine's cores -------------------------
 // Each worker builds its own scratch once (`make_scratch`) and reuses it for every item it takes,
 // so nothing is allocated per block.
@@ -80,43 +144,76 @@ void ParallelFor(int64_t n, int64_t flops_per_item, MakeScratch make_scratch, Bo
   for (auto& t : threads) t.join();
 }
 
-inline void Axpy(float a, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+// --- tiles and the one matrix product everything is made of --------------------------------------
+// C (+)= A B, A [m x k] (lda), B [k x n] (ldb), C [m x n] (ldc), all row-major float. A kMR x kNR block
+// of C stays in registers over the whole k loop (the compiler vectorises the fixed-size inner loops), so
+// each loaded element of B feeds kMR multiply-adds. m and n are rounded up to kMR / kNR: tiles are
+// allocated padded and whatever lands in the padding is never read back. The reduction length k is exact,
+// so padding never enters a sum.
+constexpr int64_t kMR = 8, kNR = 8;
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Also compiled for Haswell (AVX2 + FMA), picked at load time where the CPU has it.
+__attribute__((target_clones("arch=haswell", "default")))
+void Gemm(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t m, int64_t n,
+          int64_t k, bool accumulate) {
+  static_assert(kNR == 8, "one Vec8 per register-block row");
+  for (int64_t i0 = 0; i0 < m; i0 += kMR) {
+    const float* a0 = a + i0 * lda;
+    for (int64_t j0 = 0; j0 < n; j0 += kNR) {
+      Vec8 acc[kMR] = {};
+      for (int64_t l = 0; l < k; ++l) {
+        const Vec8 bv = Load8(b + l * ldb + j0);
+        for (int64_t i = 0; i < kMR; ++i) acc[i] += a0[i * lda + l] * bv;
+      }
+      for (int64_t i = 0; i < kMR; ++i) {
+        float* out = c + (i0 + i) * ldc + j0;
+        Store8(out, accumulate ? acc[i] + Load8(out) : acc[i]);
+      }
+    }
+  }
 }
 
-// Copies `rows` rows of `d` elements, `stride` apart, into a dense float tile (times `mul`).
+// A dense float tile with padded dims, allocated once per worker.
+struct Tile {
+  std::vector<float> data;
+  int64_t ld = 0;
+  Tile(int64_t rows, int64_t cols) : data(RoundUp(rows, kMR) * RoundUp(cols, kNR), 0.f), ld(RoundUp(cols, kNR)) {}
+  float* row(int64_t r) { return data.data() + r * ld; }
+  float* ptr() { return data.data(); }
+};
+
+// Copies `rows` x `d` elements (rows `stride` apart) into `dst` as float, times `mul`.
 template <typename Tag>
 void LoadTile(Tag tag, const typename Tag::Storage* src, int64_t rows, int64_t d, int64_t stride, float mul,
-              float* dst) {
+              Tile& dst) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < d; ++c) dst[r * d + c] = ToFloat(tag, src[r * stride + c]) * mul;
+    for (int64_t c = 0; c < d; ++c) dst.row(r)[c] = ToFloat(tag, src[r * stride + c]) * mul;
 }
 
-// Copies `rows` rows of `d` elements, `stride` apart, transposed: dst[c * ld + r] = src[r][c].
+// The same, transposed: dst[c][r] = src[r][c]. Strided reads, contiguous writes (cheaper than the reverse).
 template <typename Tag>
-void LoadTileT(Tag tag, const typename Tag::Storage* src, int64_t rows, int64_t d, int64_t stride, float* dst,
-               int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < d; ++c) dst[c * ld + r] = ToFloat(tag, src[r * stride + c]);
-}
-
-// One row of products a[r] . B for a tile B given transposed (bt[c * ld + j]), as axpys over the tile's
-// columns: unlike a dot product this vectorises without reassociating the sum.
-inline void RowTimesTileT(const float* a, const float* bt, int64_t d, int64_t cols, int64_t ld, float* out) {
-  std::fill(out, out + cols, 0.f);
-  for (int64_t c = 0; c < d; ++c) Axpy(a[c], bt + c * ld, out, cols);
-}
-
-// Scores of one tile: s[r][c] = q[r] . k[c] (k given transposed), -inf where the mask hides (i, j).
-void Scores(const float* q, const float* kt, int64_t rows, int64_t cols, int64_t d, int64_t row0, int64_t col0,
-            const MaskParams& mask, bool full, float* s, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* srow = s + r * ld;
-    RowTimesTileT(q + r * d, kt, d, cols, ld, srow);
-    if (!full)
-      for (int64_t c = 0; c < cols; ++c)
-        if (!is_visible(mask, row0 + r, col0 + c)) srow[c] = kNegInf;
+void LoadTileT(Tag tag, const typename Tag::Storage* src, int64_t rows, int64_t d, int64_t stride, Tile& dst) {
+  for (int64_t c = 0; c < d; ++c) {
+    float* out = dst.row(c);
+    for (int64_t r = 0; r < rows; ++r) out[r] = ToFloat(tag, src[r * stride + c]);
   }
+}
+
+void Transpose(Tile& src, int64_t rows, int64_t cols, Tile& dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst.row(c)[r] = src.row(r)[c];
+}
+
+// Scores of one tile: S = Q K^T (K given transposed), -inf where the mask hides (i, j).
+void Scores(Tile& q, Tile& kt, int64_t rows, int64_t cols, int64_t d, int64_t row0, int64_t col0,
+            const MaskParams& mask, bool full, Tile& s) {
+  Gemm(q.ptr(), q.ld, kt.ptr(), kt.ld, s.ptr(), s.ld, rows, cols, d, false);
+  if (full) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      if (!is_visible(mask, row0 + r, col0 + c)) s.row(r)[c] = kNegInf;
 }
 
 struct Tiles {
@@ -147,11 +244,11 @@ void ForwardImpl(const FwdParams& p) {
   T* o = static_cast<T*>(p.o);
 
   struct Scratch {
-    std::vector<float> q, k, v, s, o, m, l;
+    Tile q, kt, v, s, o;
+    std::vector<float> m, l;
   };
   auto make_scratch = [&] {
-    return Scratch{std::vector<float>(br * D), std::vector<float>(bc * D), std::vector<float>(bc * D),
-                   std::vector<float>(br * bc), std::vector<float>(br * D), std::vector<float>(br),
+    return Scratch{Tile(br, D), Tile(D, bc), Tile(bc, D), Tile(br, bc), Tile(br, D), std::vector<float>(br),
                    std::vector<float>(br)};
   };
   const int64_t items = dm.batch * dm.heads_q * tiles.num_q_blocks;
@@ -166,8 +263,8 @@ void ForwardImpl(const FwdParams& p) {
     const T* kp = k + b * dm.k_batch_stride() + hk * D;
     const T* vp = v + b * dm.k_batch_stride() + hk * D;
 
-    LoadTile(tag, qp, rows, D, dm.q_row_stride(), p.scale, w.q.data());  // scale folded into Q once
-    std::fill(w.o.begin(), w.o.end(), 0.f);
+    LoadTile(tag, qp, rows, D, dm.q_row_stride(), p.scale, w.q);  // scale folded into Q once
+    std::fill(w.o.data.begin(), w.o.data.end(), 0.f);
     std::fill(w.m.begin(), w.m.end(), kNegInf);
     std::fill(w.l.begin(), w.l.end(), 0.f);
 
@@ -175,27 +272,26 @@ void ForwardImpl(const FwdParams& p) {
     visible_key_range(p.mask, row0, row0 + rows, dm.seqlen_k, &key_begin, &key_end);
     for (int64_t col0 = key_begin; col0 < key_end; col0 += bc) {  // fully masked blocks never visited
       const int64_t cols = std::min(bc, key_end - col0);
-      LoadTileT(tag, kp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), w.k.data(), bc);
-      LoadTile(tag, vp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), 1.f, w.v.data());
+      LoadTileT(tag, kp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), w.kt);
+      LoadTile(tag, vp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), 1.f, w.v);
       const bool full = block_fully_visible(p.mask, row0, row0 + rows, col0, col0 + cols);
-      Scores(w.q.data(), w.k.data(), rows, cols, D, row0, col0, p.mask, full, w.s.data(), bc);
+      Scores(w.q, w.kt, rows, cols, D, row0, col0, p.mask, full, w.s);
+      // Online softmax: S becomes P = exp(S - m_new) in place; O and l are rescaled when the max rises.
       for (int64_t r = 0; r < rows; ++r) {
-        float* s = w.s.data() + r * bc;
-        float m_new = w.m[r];
-        for (int64_t c = 0; c < cols; ++c) m_new = std::max(m_new, s[c]);
-        if (m_new == kNegInf) continue;  // this row has seen no key yet
-        const float alpha = std::exp(w.m[r] - m_new);  // exp(-inf) = 0 on the first visible block
-        float* orow = w.o.data() + r * D;
-        for (int64_t c = 0; c < D; ++c) orow[c] *= alpha;
-        float sum = 0.f;
-        for (int64_t c = 0; c < cols; ++c) {
-          const float pc = std::exp(s[c] - m_new);
-          sum += pc;
-          if (pc != 0.f) Axpy(pc, w.v.data() + c * D, orow, D);
+        float* srow = w.s.row(r);
+        const float m_new = std::max(w.m[r], RowMax(srow, cols));
+        if (m_new == kNegInf) {  // this row has seen no key yet: P = 0, nothing to rescale
+          std::fill(srow, srow + cols, 0.f);
+          continue;
         }
+        const float alpha = Exp(w.m[r] - m_new);  // 0 on the first visible block (m = -inf)
+        const float sum = ExpShiftSum(srow, cols, m_new);
+        float* orow = w.o.row(r);
+        for (int64_t c = 0; c < D; ++c) orow[c] *= alpha;
         w.l[r] = w.l[r] * alpha + sum;
         w.m[r] = m_new;
       }
+      Gemm(w.s.ptr(), w.s.ld, w.v.ptr(), w.v.ld, w.o.ptr(), w.o.ld, rows, D, cols, true);  // O += P V
     }
 
     T* op = o + b * dm.q_batch_stride() + row0 * dm.q_row_stride() + h * D;
@@ -203,25 +299,25 @@ void ForwardImpl(const FwdParams& p) {
     for (int64_t r = 0; r < rows; ++r) {
       const float l = w.l[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key: O = 0, LSE = -inf
-      for (int64_t c = 0; c < D; ++c) op[r * dm.q_row_stride() + c] = FromFloat(tag, w.o[r * D + c] * inv);
+      for (int64_t c = 0; c < D; ++c) op[r * dm.q_row_stride() + c] = FromFloat(tag, w.o.row(r)[c] * inv);
       lse[r] = l > 0.f ? w.m[r] + std::log(l) : kNegInf;
     }
   });
 }
 
 // --- backward -------------------------------------------------------------------------------------
-// P and dS of one tile from recomputed scores (K and V given transposed). q is pre-scaled, so dS here
-// is d(loss)/d(scaled S).
-void ProbsAndGrads(const float* q, const float* kt, const float* vt, const float* dout, const float* lse,
-                   const float* delta, int64_t rows, int64_t cols, int64_t D, int64_t row0, int64_t col0,
-                   const MaskParams& mask, bool full, float* pt, float* ds, int64_t ld) {
-  Scores(q, kt, rows, cols, D, row0, col0, mask, full, pt, ld);
+// P and dS of one tile from recomputed scores (K and V given transposed); P lands in `p`, dS in `ds`.
+// q is pre-scaled, so dS here is d(loss)/d(scaled S).
+void ProbsAndGrads(Tile& q, Tile& kt, Tile& vt, Tile& dout, const float* lse, const float* delta, int64_t rows,
+                   int64_t cols, int64_t D, int64_t row0, int64_t col0, const MaskParams& mask, bool full, Tile& p,
+                   Tile& ds) {
+  Scores(q, kt, rows, cols, D, row0, col0, mask, full, p);
+  Gemm(dout.ptr(), dout.ld, vt.ptr(), vt.ld, ds.ptr(), ds.ld, rows, cols, D, false);  // dP = dO V^T
   for (int64_t r = 0; r < rows; ++r) {
-    float* prow = pt + r * ld;
-    float* dsrow = ds + r * ld;
-    RowTimesTileT(dout + r * D, vt, D, cols, ld, dsrow);  // dP
+    float* prow = p.row(r);
+    float* dsrow = ds.row(r);
     for (int64_t c = 0; c < cols; ++c) {
-      prow[c] = (lse[r] == kNegInf || prow[c] == kNegInf) ? 0.f : std::exp(prow[c] - lse[r]);
+      prow[c] = (lse[r] == kNegInf || prow[c] == kNegInf) ? 0.f : Exp(prow[c] - lse[r]);
       dsrow[c] = prow[c] * (dsrow[c] - delta[r]);
     }
   }
@@ -255,12 +351,12 @@ void BackwardImpl(const BwdParams& p) {
   });
 
   struct Scratch {
-    std::vector<float> q, k, v, dout, p, ds, acc_a, acc_b;
+    Tile q, dout, kt, vt, k, p, ds, t, acc_a, acc_b;
   };
   auto make_scratch = [&] {
-    return Scratch{std::vector<float>(br * D), std::vector<float>(bc * D), std::vector<float>(bc * D),
-                   std::vector<float>(br * D), std::vector<float>(br * bc), std::vector<float>(br * bc),
-                   std::vector<float>(std::max(br, bc) * D), std::vector<float>(bc * D)};
+    const int64_t n = std::max(br, bc);
+    return Scratch{Tile(br, D), Tile(br, D), Tile(D, bc), Tile(D, bc), Tile(bc, D), Tile(br, bc), Tile(br, bc),
+                   Tile(n, n), Tile(n, D), Tile(n, D)};
   };
 
   // Pass 1: dK, dV per (batch, key head, key block), summed over the query heads of the group.
@@ -271,39 +367,35 @@ void BackwardImpl(const BwdParams& p) {
     const int64_t hk = (item / tiles.num_k_blocks) % dm.heads_k;
     const int64_t b = item / (tiles.num_k_blocks * dm.heads_k);
     const int64_t col0 = kb * bc, cols = std::min(bc, dm.seqlen_k - col0);
-    LoadTileT(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.k.data(), bc);
-    LoadTileT(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.v.data(), bc);
-    float* dk = w.acc_a.data();
-    float* dv = w.acc_b.data();
-    std::fill(dk, dk + cols * D, 0.f);
-    std::fill(dv, dv + cols * D, 0.f);
+    LoadTileT(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.kt);
+    LoadTileT(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.vt);
+    Tile& dk = w.acc_a;
+    Tile& dv = w.acc_b;
+    std::fill(dk.data.begin(), dk.data.end(), 0.f);
+    std::fill(dv.data.begin(), dv.data.end(), 0.f);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t row0 = 0; row0 < dm.seqlen_q; row0 += br) {
         const int64_t rows = std::min(br, dm.seqlen_q - row0);
         int64_t key_begin, key_end;
         visible_key_range(p.mask, row0, row0 + rows, dm.seqlen_k, &key_begin, &key_end);
         if (key_begin >= col0 + cols || key_end <= col0) continue;  // block fully masked for these rows
-        LoadTile(tag, q + q_off(b, row0, h), rows, D, dm.q_row_stride(), p.scale, w.q.data());
-        LoadTile(tag, dout + q_off(b, row0, h), rows, D, dm.q_row_stride(), 1.f, w.dout.data());
+        LoadTile(tag, q + q_off(b, row0, h), rows, D, dm.q_row_stride(), p.scale, w.q);
+        LoadTile(tag, dout + q_off(b, row0, h), rows, D, dm.q_row_stride(), 1.f, w.dout);
         const bool full = block_fully_visible(p.mask, row0, row0 + rows, col0, col0 + cols);
-        ProbsAndGrads(w.q.data(), w.k.data(), w.v.data(), w.dout.data(), p.lse + stat_off(b, h, row0),
-                      p.delta + stat_off(b, h, row0), rows, cols, D, row0, col0, p.mask, full, w.p.data(),
-                      w.ds.data(), bc);
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = 0; c < cols; ++c) {
-            const float pv = w.p[r * bc + c], dsv = w.ds[r * bc + c];
-            if (pv != 0.f) Axpy(pv, w.dout.data() + r * D, dv + c * D, D);
-            if (dsv != 0.f) Axpy(dsv, w.q.data() + r * D, dk + c * D, D);  // q carries the scale
-          }
-        }
+        ProbsAndGrads(w.q, w.kt, w.vt, w.dout, p.lse + stat_off(b, h, row0), p.delta + stat_off(b, h, row0), rows,
+                      cols, D, row0, col0, p.mask, full, w.p, w.ds);
+        Transpose(w.p, rows, cols, w.t);
+        Gemm(w.t.ptr(), w.t.ld, w.dout.ptr(), w.dout.ld, dv.ptr(), dv.ld, cols, D, rows, true);  // dV += P^T dO
+        Transpose(w.ds, rows, cols, w.t);
+        Gemm(w.t.ptr(), w.t.ld, w.q.ptr(), w.q.ld, dk.ptr(), dk.ld, cols, D, rows, true);  // dK += dS^T (scale Q)
       }
     }
     T* dkp = static_cast<T*>(p.dk) + k_off(b, col0, hk);
     T* dvp = static_cast<T*>(p.dv) + k_off(b, col0, hk);
     for (int64_t r = 0; r < cols; ++r)
       for (int64_t c = 0; c < D; ++c) {
-        dkp[r * dm.k_row_stride() + c] = FromFloat(tag, dk[r * D + c]);
-        dvp[r * dm.k_row_stride() + c] = FromFloat(tag, dv[r * D + c]);
+        dkp[r * dm.k_row_stride() + c] = FromFloat(tag, dk.row(r)[c]);
+        dvp[r * dm.k_row_stride() + c] = FromFloat(tag, dv.row(r)[c]);
       }
   });
 
@@ -316,32 +408,27 @@ void BackwardImpl(const BwdParams& p) {
     const int64_t b = item / (tiles.num_q_blocks * dm.heads_q);
     const int64_t hk = h / group;
     const int64_t row0 = qb * br, rows = std::min(br, dm.seqlen_q - row0);
-    LoadTile(tag, q + q_off(b, row0, h), rows, D, dm.q_row_stride(), p.scale, w.q.data());
-    LoadTile(tag, dout + q_off(b, row0, h), rows, D, dm.q_row_stride(), 1.f, w.dout.data());
-    float* dq = w.acc_a.data();
-    std::fill(dq, dq + rows * D, 0.f);
+    LoadTile(tag, q + q_off(b, row0, h), rows, D, dm.q_row_stride(), p.scale, w.q);
+    LoadTile(tag, dout + q_off(b, row0, h), rows, D, dm.q_row_stride(), 1.f, w.dout);
+    Tile& dq = w.acc_a;
+    std::fill(dq.data.begin(), dq.data.end(), 0.f);
     int64_t key_begin, key_end;
     visible_key_range(p.mask, row0, row0 + rows, dm.seqlen_k, &key_begin, &key_end);
     for (int64_t col0 = key_begin; col0 < key_end; col0 += bc) {
       const int64_t cols = std::min(bc, key_end - col0);
-      LoadTileT(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.k.data(), bc);
-      LoadTileT(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.v.data(), bc);
-      LoadTile(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.acc_b.data());
+      LoadTileT(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.kt);
+      LoadTileT(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.vt);
+      LoadTile(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.k);
       const bool full = block_fully_visible(p.mask, row0, row0 + rows, col0, col0 + cols);
-      ProbsAndGrads(w.q.data(), w.k.data(), w.v.data(), w.dout.data(), p.lse + stat_off(b, h, row0),
-                    p.delta + stat_off(b, h, row0), rows, cols, D, row0, col0, p.mask, full, w.p.data(),
-                    w.ds.data(), bc);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-          const float dsv = w.ds[r * bc + c];
-          if (dsv != 0.f) Axpy(dsv, w.acc_b.data() + c * D, dq + r * D, D);
-        }
+      ProbsAndGrads(w.q, w.kt, w.vt, w.dout, p.lse + stat_off(b, h, row0), p.delta + stat_off(b, h, row0), rows,
+                    cols, D, row0, col0, p.mask, full, w.p, w.ds);
+      Gemm(w.ds.ptr(), w.ds.ld, w.k.ptr(), w.k.ld, dq.ptr(), dq.ld, rows, D, cols, true);  // dQ += dS K
     }
     T* dqp = static_cast<T*>(p.dq) + q_off(b, row0, h);
     float* acc = p.dq_accum + q_off(b, row0, h);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < D; ++c) {
-        const float g = dq[r * D + c] * p.scale;
+        const float g = dq.row(r)[c] * p.scale;
         acc[r * dm.q_row_stride() + c] = g;
         dqp[r * dm.q_row_stride() + c] = FromFloat(tag, g);
       }
