@@ -62,7 +62,8 @@ ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Re
 ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::ResultBuffer<ffi::F32> dq_accum,
-                   ffi::ResultBuffer<ffi::F32> delta, float scale, bool causal) {
+                   ffi::ResultBuffer<ffi::F32> delta, float scale, bool causal, bool /*deterministic*/) {
+  // The CPU backward pass never uses atomics, so it is deterministic whatever `deterministic` says.
   constexpr const char* kTarget = "jaxflash_bwd";
   BwdParams p;
   if (auto e = ParseDims(kTarget, q, k, v, &p.dims); e.failure()) return e;
@@ -136,7 +137,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dq_accum (workspace)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // delta (workspace)
                                   .Attr<float>("scale")
-                                  .Attr<bool>("causal"));
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("deterministic"));
 
 NB_MODULE(_jaxflash_cpu, m) {
   m.def("registrations", [] {

@@ -57,12 +57,12 @@ def fwd(q, k, v, *, scale: float, causal: bool):
     return call(q, k, v, **_attrs(scale, causal))
 
 
-def bwd(do, q, k, v, o, lse, dlse, *, scale: float, causal: bool):
+def bwd(do, q, k, v, o, lse, dlse, *, scale: float, causal: bool, deterministic: bool):
     """(do, q, k, v, o, lse, dlse) -> (dq, dk, dv); dlse is the cotangent of lse. The kernel's fp32
     workspaces (dq accumulator, rowsum(dO * O) - dlse) are extra outputs owned by XLA, dropped here."""
     out_types = (_typeof(q), _typeof(k), _typeof(v), _f32_like(q), _stat_type(q))
     call = jax.ffi.ffi_call("jaxflash_bwd", out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _, _ = call(do, q, k, v, o, lse, dlse, **_attrs(scale, causal))
+    dq, dk, dv, _, _ = call(do, q, k, v, o, lse, dlse, **_attrs(scale, causal), deterministic=bool(deterministic))
     return dq, dk, dv
 
 

@@ -13,6 +13,7 @@ class Config(NamedTuple):
     """Static (hashable) options of one attention call."""
     scale: float
     causal: bool
+    deterministic: bool   # backward without atomics: bitwise-reproducible gradients
     reference_bwd: bool  # GPU only, until the CUDA backward kernel lands: VJP of the reference
 
 
@@ -33,7 +34,7 @@ def _bwd(cfg, res, cotangents):
         _, vjp = jax.vjp(
             lambda q, k, v: reference.attention_with_lse(q, k, v, causal=cfg.causal, scale=cfg.scale), q, k, v)
         return vjp((do, dlse))
-    return _ffi.bwd(do, q, k, v, o, lse, dlse, scale=cfg.scale, causal=cfg.causal)
+    return _ffi.bwd(do, q, k, v, o, lse, dlse, scale=cfg.scale, causal=cfg.causal, deterministic=cfg.deterministic)
 
 
 flash.defvjp(_fwd, _bwd)

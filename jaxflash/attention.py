@@ -16,7 +16,7 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def attention(query, key, value, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
-              backend: str | None = None):
+              deterministic: bool = False, backend: str | None = None):
     """FlashAttention-2: softmax(scale * Q K^T) V without materialising the score matrix.
 
     Args:
@@ -34,6 +34,8 @@ def attention(query, key, value, *, causal: bool = False, scale: float | None = 
       scale: multiplies the scores; defaults to ``1 / sqrt(D)``. Must be finite and positive.
       return_lse: also return the log-sum-exp of the scaled scores, ``[..., Hq, Sq]`` float32 (natural
         log). It is differentiable.
+      deterministic: make the backward pass bitwise reproducible run to run. The CUDA backward kernel
+        otherwise accumulates dQ with atomics, whose order varies; the CPU kernel is always deterministic.
       backend: ``None`` runs the FFI kernel of the platform the computation is placed on (the CUDA kernel
         on a GPU, the C++ kernel on the CPU); ``"cpu"`` requires the C++ kernel; ``"cuda"`` requires the
         CUDA kernel; ``"reference"`` runs the materialising pure-JAX implementation.
@@ -47,6 +49,7 @@ def attention(query, key, value, *, causal: bool = False, scale: float | None = 
     _check_arrays(query, key, value)
     causal = _check_bool("causal", causal)
     return_lse = _check_bool("return_lse", return_lse)
+    deterministic = _check_bool("deterministic", deterministic)
     scale = _check_scale(scale, query.shape[-1])
     backend = _resolve_backend(backend, query)
 
@@ -57,7 +60,8 @@ def attention(query, key, value, *, causal: bool = False, scale: float | None = 
         out = jnp.zeros(query.shape, query.dtype)
         lse = jnp.full(query.shape[:-3] + (query.shape[-2], query.shape[-3]), -jnp.inf, jnp.float32)
     else:
-        cfg = _vjp.Config(scale=scale, causal=causal, reference_bwd=backend == "cuda" and not _ffi.cuda_has_bwd())
+        cfg = _vjp.Config(scale=scale, causal=causal, deterministic=deterministic,
+                          reference_bwd=backend == "cuda" and not _ffi.cuda_has_bwd())
         out, lse = _vjp.flash(query, key, value, cfg)
     return (out, lse) if return_lse else out
 

@@ -54,3 +54,15 @@ def test_backward_deterministic_run_to_run():
     b = kernel_grads(q, k, v, do, True)
     for x, y in zip(a, b):
         assert np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+
+
+def test_deterministic_flag_on_cpu_changes_nothing():
+    """The CPU backward has no atomics: deterministic=True must give the very same bits."""
+    q, k, v, do = make_inputs(11, (2,), 130, 150, 4, 2, 32, DTYPES["float16"])
+
+    def grads(det):
+        f = lambda q, k, v: jnp.sum(jaxflash.attention(q, k, v, causal=True, deterministic=det) * do)
+        return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    for a, b in zip(grads(False), grads(True)):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))

@@ -38,6 +38,8 @@ CASES = [
     ("scale string", (Q, K, K), {"scale": "big"}, TypeError, r"scale must be a number; got 'big'"),
     ("causal not bool", (Q, K, K), {"causal": 1}, TypeError, r"causal must be a Python bool; got 1"),
     ("return_lse not bool", (Q, K, K), {"return_lse": "yes"}, TypeError, r"return_lse must be a Python bool"),
+    ("deterministic not bool", (Q, K, K), {"deterministic": None}, TypeError,
+     r"deterministic must be a Python bool; got None"),
     ("backend", (Q, K, K), {"backend": "tpu"}, ValueError, r"backend must be one of .*got 'tpu'"),
 ]
 
