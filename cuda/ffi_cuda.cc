@@ -79,11 +79,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCuda, jaxflash::FwdCuda,
                                   .Attr<float>("scale")
                                   .Attr<bool>("causal"));
 
+extern "C" XLA_FFI_Error* JaxflashBwdCuda(XLA_FFI_CallFrame* call_frame);  // ffi_cuda_bwd.cc
+
 NB_MODULE(_jaxflash_cuda, m) {
   m.doc() = "jaxflash CUDA kernels as XLA FFI handlers (platform \"CUDA\")";
   m.def("registrations", []() {
     nb::dict d;
     d["jaxflash_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashFwdCuda));
+    d["jaxflash_bwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashBwdCuda));
     return d;
   });
   m.def(

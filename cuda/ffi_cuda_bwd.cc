@@ -1,0 +1,129 @@
+// XLA FFI handler of the CUDA backward kernels (target jaxflash_bwd, platform "CUDA"). Decode, check, fill
+// params, dispatch, launch; never synchronises, never allocates (the fp32 workspaces dq_accum and delta are
+// outputs owned by XLA), and launches the same work for the same shapes, so it can be captured in a graph.
+// The binding matches the CPU handler's (ffi_cpu.cc) exactly.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "dispatch.h"
+#include "ffi_common.h"
+#include "launch_bwd.h"
+
+namespace jaxflash {
+namespace {
+
+constexpr const char* kBwdTarget = "jaxflash_bwd";
+
+struct LaunchBwd {
+  const BwdParams& params;
+  bool deterministic;
+  cudaStream_t stream;
+  int device;
+
+  template <DType kDType, int kHeadDim>
+  ffi::Error operator()() const {
+    if (cudaError_t err = run_bwd<kDType, kHeadDim>(params, deterministic, stream, device); err != cudaSuccess)
+      return ffi::Error::Internal(std::string(kBwdTarget) + ": kernel launch failed: " + cudaGetErrorString(err));
+    return ffi::Error::Success();
+  }
+};
+
+// Only checks the pair is compiled (degenerate shapes launch no kernel).
+struct CheckCompiled {
+  template <DType, int>
+  ffi::Error operator()() const {
+    return ffi::Error::Success();
+  }
+};
+
+ffi::Error ZeroFill(cudaStream_t stream, void* ptr, size_t bytes) {
+  if (bytes == 0) return ffi::Error::Success();
+  if (cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream); err != cudaSuccess)
+    return ffi::Error::Internal(std::string(kBwdTarget) + ": cudaMemsetAsync failed: " + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                   ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::ResultBuffer<ffi::F32> dq_accum, ffi::ResultBuffer<ffi::F32> delta, float scale, bool causal,
+                   bool deterministic) {
+  BwdParams p;
+  if (auto e = ParseDims(kBwdTarget, q, k, v, &p.dims); e.failure()) return e;
+  const auto stat = StatShape(q.dimensions());
+  if (auto e = CheckShape(kBwdTarget, "do", dout.dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kBwdTarget, "o", o.dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kBwdTarget, "lse", lse.dimensions(), stat); e.failure()) return e;
+  if (auto e = CheckShape(kBwdTarget, "dlse", dlse.dimensions(), stat); e.failure()) return e;
+  if (auto e = CheckShape(kBwdTarget, "dq", dq->dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kBwdTarget, "dk", dk->dimensions(), k.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kBwdTarget, "dv", dv->dimensions(), v.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kBwdTarget, "dq_accum", dq_accum->dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(kBwdTarget, "delta", delta->dimensions(), stat); e.failure()) return e;
+  for (auto t : {dout.element_type(), o.element_type(), dq->element_type(), dk->element_type(), dv->element_type()})
+    if (t != q.element_type())
+      return Invalid(kBwdTarget, std::string("do, o, dq, dk and dv must have q's dtype ") +
+                                     DTypeName(q.element_type()) + "; got " + DTypeName(t));
+  // The kernels number their blocks in one 32-bit grid dimension (>= 64 rows or keys per block).
+  const int64_t q_blocks = p.dims.batch * p.dims.heads_q * ((p.dims.seqlen_q + 63) / 64);
+  const int64_t k_blocks = p.dims.batch * p.dims.heads_k * ((p.dims.seqlen_k + 63) / 64);
+  const int64_t rows = p.dims.batch * p.dims.heads_q * p.dims.seqlen_q;
+  if (q_blocks > INT32_MAX || k_blocks > INT32_MAX || (rows + 7) / 8 > INT32_MAX)
+    return Invalid(kBwdTarget, "batch x heads x ceil(length / 64) must be below 2^31; got " +
+                                   std::to_string(q_blocks > k_blocks ? q_blocks : k_blocks));
+
+  if (q.element_count() == 0 || k.element_count() == 0) {
+    // Nothing to differentiate through: every gradient (and workspace) is 0. Still report an unsupported
+    // dtype or head dim, as for any other shape.
+    if (auto e = Dispatch(kBwdTarget, q.element_type(), p.dims.head_dim, CheckCompiled{}); e.failure()) return e;
+    for (auto [ptr, bytes] : {std::pair<void*, size_t>{dq->untyped_data(), dq->size_bytes()},
+                              {dk->untyped_data(), dk->size_bytes()},
+                              {dv->untyped_data(), dv->size_bytes()},
+                              {dq_accum->untyped_data(), dq_accum->size_bytes()},
+                              {delta->untyped_data(), delta->size_bytes()}})
+      if (auto e = ZeroFill(stream, ptr, bytes); e.failure()) return e;
+    return ffi::Error::Success();
+  }
+
+  p.dout = dout.untyped_data();
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.o = o.untyped_data();
+  p.lse = lse.typed_data();
+  p.dlse = dlse.typed_data();
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.dq_accum = dq_accum->typed_data();
+  p.delta = delta->typed_data();
+  p.scale = scale;
+  p.mask = CausalMask(p.dims, causal);
+  return Dispatch(kBwdTarget, q.element_type(), p.dims.head_dim, LaunchBwd{p, deterministic, stream, device});
+}
+
+}  // namespace
+}  // namespace jaxflash
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCuda, jaxflash::BwdCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // do  [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // k   [..., Sk, Hk, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // v   [..., Sk, Hk, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // o   [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lse  [..., Hq, Sq]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dlse [..., Hq, Sq]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq  [..., Sq, Hq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk  [..., Sk, Hk, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dv  [..., Sk, Hk, D]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dq_accum [..., Sq, Hq, D] (workspace)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // delta    [..., Hq, Sq]    (workspace)
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("deterministic"));

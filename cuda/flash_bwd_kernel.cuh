@@ -1,0 +1,673 @@
+// FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, sm_80 and later), CuTe.
+//
+// Given dO, Q, K, V, O, LSE and dLSE (the cotangent of the returned LSE), with P = exp(scale·Q·Kᵀ − LSE):
+//   delta = rowsum(dO ∘ O) − dLSE                  (fp32, [B, Hq, Sq]; the workspace output `delta`)
+//   dP = dO·Vᵀ,  dS = P ∘ (dP − delta)
+//   dV = Pᵀ·dO,  dK = scale · dSᵀ·Q,  dQ = scale · dS·K
+// dK and dV of a K/V head are summed over the query heads of its GQA group; repeated K/V are never formed.
+// Layouts (params.h): q, o, do, dq, dq_accum [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hk, D]; lse, dlse,
+// delta [B, Hq, Sq] float32. Visibility comes from mask.h; rows with LSE = −inf (they see no key) get P = 0,
+// so they contribute nothing and never produce inf or NaN.
+//
+// Kernels, launched in this order by run_bwd (launch_bwd.cuh):
+//   1. preprocess: delta, and dq_accum cleared (atomic mode);
+//   2. dK/dV: one block per (K/V block, batch, K/V head), K and V resident in shared memory, dK and dV in
+//      registers; loops over every visible query block of every head of the group (Q and dO double-
+//      buffered with cp.async), recomputing P from Q, K and LSE. P and dS go through shared memory to feed
+//      the transposed GEMMs. In atomic mode it also adds dS·K into dq_accum (fp32 atomics);
+//   3. atomic mode: convert dq = scale · dq_accum to the input dtype;
+//      deterministic mode: a dQ kernel, one block per query block (the forward's shape), recomputes S, P,
+//      dP and dS over the visible K/V blocks and keeps dQ in registers: no atomics, so the result is
+//      bitwise reproducible, at the price of recomputing Q·Kᵀ and dO·Vᵀ once more.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "flash_fwd_kernel.cuh"  // tile operations shared with the forward: gemm_ss, gemm_rs, convert_fragment, ...
+#include "mask.h"
+#include "params.h"
+#include "softmax.cuh"  // rowcol
+#include "traits_bwd.cuh"
+
+namespace jaxflash {
+
+using namespace cute;
+
+// Query rows i in [0, seqlen_q) that can see some key of [key_begin, key_end), as [*row_begin, *row_end)
+// (empty when row_begin >= row_end): the inverse of mask.h's visible_key_range for a band mask, so a K/V
+// block skips the query blocks that see none of it.
+__host__ __device__ __forceinline__ void visible_query_range(const MaskParams& m, int64_t key_begin, int64_t key_end,
+                                                             int64_t seqlen_q, int64_t* row_begin, int64_t* row_end) {
+  int64_t lo = 0, hi = seqlen_q;
+  if (m.window_right >= 0) lo = key_begin - m.diag_offset - m.window_right;     // j <= i + off + r
+  if (m.window_left >= 0) hi = (key_end - 1) - m.diag_offset + m.window_left + 1;  // j >= i + off - l
+  lo = lo < 0 ? 0 : lo;
+  hi = hi > seqlen_q ? seqlen_q : hi;
+  *row_begin = lo;
+  *row_end = hi;
+}
+
+template <class Element_, int kHeadDim_>
+struct BwdTraits {
+  using Element = Element_;
+  using Config = BwdTileConfig<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kNWarps = Config::kNWarps;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kAtomMSdP = Config::kAtomMSdP, kAtomNdKV = Config::kAtomNdKV, kAtomMdQ = Config::kAtomMdQ;
+  static_assert(kBlockM % (16 * kAtomMSdP) == 0 && kBlockN % (16 * (kNWarps / kAtomMSdP)) == 0);
+  static_assert(kBlockN % (16 * kAtomNdKV) == 0 && kHeadDim % (16 * (kNWarps / kAtomNdKV)) == 0);
+  static_assert(kBlockM % (16 * kAtomMdQ) == 0 && kHeadDim % (16 * (kNWarps / kAtomMdQ)) == 0);
+
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>>;
+  template <int kAtomRows>
+  using WarpGridMma = TiledMMA<MmaAtom, Layout<Shape<Int<kAtomRows>, Int<kNWarps / kAtomRows>, _1>>,
+                               Tile<Int<16 * kAtomRows>, Int<16 * (kNWarps / kAtomRows)>, _16>>;
+  using TiledMmaSdP = WarpGridMma<kAtomMSdP>;  // (M, N)
+  using TiledMmadKV = WarpGridMma<kAtomNdKV>;  // (N, D)
+  using TiledMmadQ = WarpGridMma<kAtomMdQ>;    // (M, D)
+
+  // Shared memory: swizzled 8-row atoms as in the forward (conflict-free cp.async stores and ldmatrix).
+  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzle = kBlockKSmem == 32 ? 2 : 3;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // Q, dO
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutQt =
+      decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  static constexpr int kBlockNSmem = kBlockN % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzleN = kBlockNSmem == 32 ? 2 : 3;
+  using SmemLayoutAtomPdS = decltype(composition(
+      Swizzle<kSwizzleN, 3, 3>{}, Layout<Shape<_8, Int<kBlockNSmem>>, Stride<Int<kBlockNSmem>, _1>>{}));
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutPdSt =
+      decltype(composition(SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+
+  static constexpr int kQElems = kBlockM * kHeadDim;
+  static constexpr int kKVElems = kBlockN * kHeadDim;
+  static constexpr int kPElems = kBlockM * kBlockN;
+  // K, V | Q stage 0, 1 | dO stage 0, 1 | P | dS
+  static constexpr int kSmemBytes = (2 * kKVElems + 4 * kQElems + 2 * kPElems) * int(sizeof(Element));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  static constexpr int kGmemElemsPerAccess = 16 / int(sizeof(Element));
+  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerAccess;
+  using GmemLayoutThreads = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemLayoutValues = Layout<Shape<_1, Int<kGmemElemsPerAccess>>>;
+  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
+                                                 GmemLayoutThreads{}, GmemLayoutValues{}));
+  using GmemTiledCopyOut = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+                                                    GmemLayoutThreads{}, GmemLayoutValues{}));
+};
+
+// The deterministic dQ kernel: the forward's shape (warps split the query rows, dS feeds dS·K from registers).
+template <class Element_, int kHeadDim_>
+struct BwdDqTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = BwdTileConfig<kHeadDim_>::kDqBlockN;
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = kNWarps * 32;
+  using MmaAtom = typename BwdTraits<Element, kHeadDim>::MmaAtom;
+  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+
+  using Base = BwdTraits<Element, kHeadDim>;
+  using SmemLayoutQ = typename Base::SmemLayoutQ;
+  using SmemLayoutKV = decltype(tile_to_shape(typename Base::SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  static constexpr int kQElems = kBlockM * kHeadDim;
+  static constexpr int kKVElems = kBlockN * kHeadDim;
+  // Q | dO | K stage 0, 1 | V stage 0, 1
+  static constexpr int kSmemBytes = (2 * kQElems + 4 * kKVElems) * int(sizeof(Element));
+
+  using SmemCopyAtom = typename Base::SmemCopyAtom;
+  using SmemCopyAtomTransposed = typename Base::SmemCopyAtomTransposed;
+  static constexpr int kGmemElemsPerAccess = Base::kGmemElemsPerAccess;
+  static constexpr int kGmemThreadsPerRow = Base::kGmemThreadsPerRow;
+  using GmemLayoutThreads = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
+                                                 GmemLayoutThreads{}, typename Base::GmemLayoutValues{}));
+};
+
+// ---- small helpers -----------------------------------------------------------------------------------
+
+// Copies the rows of a partitioned tile whose row coordinate is below `rows_left`; loads into shared memory
+// zero-fill the others (kZeroFill: padding rows of Q, dO, K, V must be finite, as 0·NaN would be NaN),
+// stores to global memory skip them.
+template <bool kZeroFill, class TiledCopy, class Src, class Dst, class Coord>
+__forceinline__ __device__ void copy_tile_rows(TiledCopy const& tiled_copy, Src const& src, Dst&& dst,
+                                               Coord const& coord, int64_t rows_left) {
+  CUTE_UNROLL
+  for (int i = 0; i < size<1>(src); ++i) {
+    if (get<0>(coord(0, i, 0)) < rows_left) {
+      copy(tiled_copy, src(_, i, _), dst(_, i, _));
+    } else if constexpr (kZeroFill) {
+      clear(dst(_, i, _));
+    }
+  }
+}
+
+// A tensor that only carries a shape (for register fragments of transposed operands); never dereferenced.
+template <class T, class Shape_>
+__forceinline__ __device__ auto shape_only(T* smem, Shape_ const& shape) {
+  return make_tensor(make_smem_ptr(smem), make_layout(shape));
+}
+
+// Two adjacent fp32 values added to global memory; one vector atomic on Hopper.
+__forceinline__ __device__ void atomic_add_pair(float* addr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(addr), make_float2(a, b));
+#else
+  atomicAdd(addr, a);
+  atomicAdd(addr + 1, b);
+#endif
+}
+
+// LSE of a query row in log2 units, as the exponent offset of P = exp2(s·scale·log2 e − lse·log2 e). Rows
+// past the end and rows that see no key (LSE = −inf) get +inf, so their P is exactly 0.
+__forceinline__ __device__ float lse_log2_of(const float* lse_row, int64_t row, int64_t rows) {
+  if (row >= rows) return INFINITY;
+  const float l = lse_row[row];
+  return l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+}
+
+// In place: s (rowcol view of S) -> P = exp2(s·scale_log2 − lse2[row]), masked entries 0.
+template <bool kMasked, class TS, class TC, int kRows>
+__forceinline__ __device__ void scores_to_probs(TS& s, TC const& coords, const float (&lse2)[kRows], float scale_log2,
+                                                const MaskParams& mask, int64_t m0, int64_t n0, int64_t seqlen_k) {
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      float pr = exp2f(fmaf(s(r, c), scale_log2, -lse2[r]));
+      if constexpr (kMasked) {
+        const int64_t row = m0 + get<0>(coords(r, c)), col = n0 + get<1>(coords(r, c));
+        if (col >= seqlen_k || !is_visible(mask, row, col)) pr = 0.f;
+      }
+      s(r, c) = pr;
+    }
+  }
+}
+
+// In place: dp (rowcol view of dP) -> dS = P ∘ (dP − delta[row]).
+template <class TP, class TD, int kRows>
+__forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP const& pr, const float (&delta)[kRows]) {
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(dp); ++c) dp(r, c) = pr(r, c) * (dp(r, c) - delta[r]);
+  }
+}
+
+// ---- 1. preprocess -----------------------------------------------------------------------------------
+
+// One warp per row (b, i, h) of dO and O: delta[b, h, i] = Σ_d dO·O − dLSE, in fp32; dq_accum row cleared.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p,
+                                                                   const bool clear_dq_accum) {
+  constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors of a row, <= 32
+  static_assert(kHeadDim % 8 == 0 && kVecs <= 32);
+  const AttnDims& dims = p.dims;
+  const int64_t rows = dims.batch * dims.seqlen_q * dims.heads_q;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  float sum = 0.f;
+  if (lane < kVecs) {
+    const int64_t off = row * kHeadDim + lane * 8;
+    const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + off);
+    const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
+    const T* ea = reinterpret_cast<const T*>(&a);
+    const T* eb = reinterpret_cast<const T*>(&b);
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) sum = fmaf(float(ea[e]), float(eb[e]), sum);
+    if (clear_dq_accum) {
+      float4* acc = reinterpret_cast<float4*>(p.dq_accum + off);
+      acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  CUTE_UNROLL
+  for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+  if (lane == 0) {
+    const int64_t h = row % dims.heads_q;
+    const int64_t i = (row / dims.heads_q) % dims.seqlen_q;
+    const int64_t b = row / (dims.heads_q * dims.seqlen_q);
+    const int64_t stat = (b * dims.heads_q + h) * dims.seqlen_q + i;
+    p.delta[stat] = sum - p.dlse[stat];
+  }
+}
+
+// ---- 2. dK, dV (and dQ by atomics) -------------------------------------------------------------------
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kNThreads, 1)
+    flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p, const bool accumulate_dq) {
+  using T = typename Tr::Element;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
+  using TileQ = Shape<Int<kM>, Int<kD>>;
+  using TileKV = Shape<Int<kN>, Int<kD>>;
+  using TileS = Shape<Int<kM>, Int<kN>>;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const int tid = threadIdx.x;
+
+  const AttnDims& dims = p.dims;
+  const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
+  const int64_t num_n_blocks = (seqlen_k + kN - 1) / kN;
+  // K/V blocks of one head are adjacent in launch order: they read the same Q and dO, which stay in L2.
+  const int64_t n_block = blockIdx.x % num_n_blocks;
+  const int64_t bh = blockIdx.x / num_n_blocks;
+  const int64_t head_k = bh % dims.heads_k, batch = bh / dims.heads_k;
+  const int64_t group = dims.heads_q / dims.heads_k;
+  const int64_t q_row_stride = dims.heads_q * kD, k_row_stride = dims.heads_k * kD;
+  const int64_t n0 = n_block * kN;
+  const int64_t n_end = cute::min(n0 + int64_t(kN), seqlen_k);
+
+  int64_t row_begin, row_end;
+  visible_query_range(p.mask, n0, n_end, seqlen_q, &row_begin, &row_end);
+  const int64_t m_block_min = row_begin / kM;
+  const int64_t m_block_max = row_end > row_begin ? (row_end + kM - 1) / kM : m_block_min;
+  const int64_t n_m = m_block_max - m_block_min;
+  const int64_t n_iters = n_m * group;  // every query block of every head of the group
+
+  // 64-bit element offsets: tensors may exceed 2^31 elements.
+  const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
+  const int64_t q_batch_off = batch * seqlen_q * q_row_stride;
+  const int64_t head0 = head_k * group;
+
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<const T*>(p.k) + k_off), make_shape(seqlen_k, Int<kD>{}),
+                          make_stride(k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(static_cast<const T*>(p.v) + k_off), make_shape(seqlen_k, Int<kD>{}),
+                          make_stride(k_row_stride, _1{}));
+  Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
+
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  T* smem_k = smem;
+  T* smem_v = smem_k + Tr::kKVElems;
+  T* smem_q = smem_v + Tr::kKVElems;
+  T* smem_do = smem_q + 2 * Tr::kQElems;
+  T* smem_p = smem_do + 2 * Tr::kQElems;
+  T* smem_ds = smem_p + Tr::kPElems;
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Tr::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Tr::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Tr::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Tr::SmemLayoutQ{});  // stage 0
+  Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Tr::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem_q), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem_do), typename Tr::SmemLayoutQt{});
+  Tensor sP = make_tensor(make_smem_ptr(smem_p), typename Tr::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename Tr::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(make_smem_ptr(smem_p), typename Tr::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem_ds), typename Tr::SmemLayoutPdSt{});
+
+  // ---- global -> shared copies ----
+  typename Tr::GmemTiledCopy gmem_copy;
+  auto gmem_thr_copy = gmem_copy.get_thread_slice(tid);
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+  Tensor tQsdO = gmem_thr_copy.partition_D(sdO);
+
+  // (head, m block) of iteration `it`: heads of the group outer, query blocks inner.
+  auto iter_head = [&](int64_t it) { return head0 + it / n_m; };
+  auto iter_m_block = [&](int64_t it) { return m_block_min + it % n_m; };
+  auto load_q_do = [&](int64_t it) {
+    if (it < n_iters) {
+      const int64_t m_block = iter_m_block(it);
+      const int64_t q_off = q_batch_off + iter_head(it) * kD;
+      Tensor mQ = make_tensor(make_gmem_ptr(static_cast<const T*>(p.q) + q_off), make_shape(seqlen_q, Int<kD>{}),
+                              make_stride(q_row_stride, _1{}));
+      Tensor mdO = make_tensor(make_gmem_ptr(static_cast<const T*>(p.dout) + q_off),
+                               make_shape(seqlen_q, Int<kD>{}), make_stride(q_row_stride, _1{}));
+      Tensor tQgQ = gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0)));
+      Tensor tQgdO = gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0)));
+      const int stage_offset = int(it % 2) * Tr::kQElems;
+      const int64_t rows_left = seqlen_q - m_block * kM;
+      copy_tile_rows<true>(gmem_copy, tQgQ, at_offset(tQsQ, stage_offset), tQcQ, rows_left);
+      copy_tile_rows<true>(gmem_copy, tQgdO, at_offset(tQsdO, stage_offset), tQcQ, rows_left);
+    }
+    cp_async_fence();
+  };
+
+  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gK), gmem_thr_copy.partition_D(sK), tKVcKV, seqlen_k - n0);
+  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gV), gmem_thr_copy.partition_D(sV), tKVcKV, seqlen_k - n0);
+  load_q_do(0);  // the first group also carries K and V
+
+  // ---- MMAs and shared -> register copies ----
+  typename Tr::TiledMmaSdP mma_sdp;
+  typename Tr::TiledMmadKV mma_dkv;
+  typename Tr::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  // S = Q·Kᵀ and dP = dO·Vᵀ: A (M, D) and B (N, D) both D-contiguous.
+  Tensor tSrQ = thr_sdp.partition_fragment_A(shape_only(smem, TileQ{}));
+  Tensor tSrK = thr_sdp.partition_fragment_B(shape_only(smem, TileKV{}));
+  auto copy_sdp_a = make_tiled_copy_A(typename Tr::SmemCopyAtom{}, mma_sdp);
+  auto copy_sdp_b = make_tiled_copy_B(typename Tr::SmemCopyAtom{}, mma_sdp);
+  auto thr_copy_sdp_a = copy_sdp_a.get_thread_slice(tid);
+  auto thr_copy_sdp_b = copy_sdp_b.get_thread_slice(tid);
+  Tensor tSsQ = thr_copy_sdp_a.partition_S(sQ);
+  Tensor tSsdO = thr_copy_sdp_a.partition_S(sdO);
+  Tensor tSsK = thr_copy_sdp_b.partition_S(sK);
+  Tensor tSsV = thr_copy_sdp_b.partition_S(sV);
+
+  // dV = Pᵀ·dO and dK = dSᵀ·Q: A (N, M) from P/dS and B (D, M) from dO/Q, both read transposed.
+  Tensor tKVrPt = thr_dkv.partition_fragment_A(shape_only(smem, Shape<Int<kN>, Int<kM>>{}));
+  Tensor tKVrQt = thr_dkv.partition_fragment_B(shape_only(smem, Shape<Int<kD>, Int<kM>>{}));
+  auto copy_dkv_a = make_tiled_copy_A(typename Tr::SmemCopyAtomTransposed{}, mma_dkv);
+  auto copy_dkv_b = make_tiled_copy_B(typename Tr::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_copy_dkv_a = copy_dkv_a.get_thread_slice(tid);
+  auto thr_copy_dkv_b = copy_dkv_b.get_thread_slice(tid);
+  Tensor tKVsPt = thr_copy_dkv_a.partition_S(sPt);
+  Tensor tKVsdSt = thr_copy_dkv_a.partition_S(sdSt);
+  Tensor tKVsdOt = thr_copy_dkv_b.partition_S(sdOt);
+  Tensor tKVsQt = thr_copy_dkv_b.partition_S(sQt);
+
+  // dQ = dS·K: A (M, N) from dS, B (D, N) from K read transposed.
+  Tensor tQrdS = thr_dq.partition_fragment_A(shape_only(smem, TileS{}));
+  Tensor tQrKt = thr_dq.partition_fragment_B(shape_only(smem, Shape<Int<kD>, Int<kN>>{}));
+  auto copy_dq_a = make_tiled_copy_A(typename Tr::SmemCopyAtom{}, mma_dq);
+  auto copy_dq_b = make_tiled_copy_B(typename Tr::SmemCopyAtomTransposed{}, mma_dq);
+  auto thr_copy_dq_a = copy_dq_a.get_thread_slice(tid);
+  auto thr_copy_dq_b = copy_dq_b.get_thread_slice(tid);
+  Tensor tQsdS = thr_copy_dq_a.partition_S(sdS);
+  Tensor tQsKt = thr_copy_dq_b.partition_S(sKt);
+
+  // P and dS: registers -> shared memory in the S accumulator's layout.
+  auto copy_pds = make_tiled_copy_C(typename Tr::SmemCopyAtomStore{}, mma_sdp);
+  auto thr_copy_pds = copy_pds.get_thread_slice(tid);
+  Tensor tPsP = thr_copy_pds.partition_D(sP);
+  Tensor tPsdS = thr_copy_pds.partition_D(sdS);
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(TileS{})));  // (row, col) of each score
+  constexpr int kRows = decltype(size<0>(tScS))::value;
+  Tensor tQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+
+  for (int64_t it = 0; it < n_iters; ++it) {
+    const int64_t head = iter_head(it), m_block = iter_m_block(it);
+    const int64_t m0 = m_block * kM;
+    const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
+    const int stage_offset = int(it % 2) * Tr::kQElems;
+    const int64_t stat_off = (batch * dims.heads_q + head) * seqlen_q;
+
+    float lse2[kRows], delta[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = m0 + get<0>(tScS(r, 0));
+      lse2[r] = lse_log2_of(p.lse + stat_off, row, seqlen_q);
+      delta[r] = row < seqlen_q ? p.delta[stat_off + row] : 0.f;
+    }
+
+    cp_async_wait<0>();  // Q_it and dO_it (and K, V) landed
+    __syncthreads();     // ... for every thread; and every thread is done with stage (it + 1) % 2, P and dS
+    load_q_do(it + 1);
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
+    clear(acc_s);
+    gemm_ss(acc_s, tSrQ, tSrK, at_offset(tSsQ, stage_offset), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a,
+            thr_copy_sdp_b);
+    Tensor s_rc = rowcol(acc_s);
+    const bool needs_mask =
+        n0 + kN > seqlen_k || !block_fully_visible(p.mask, m0, m_end, n0, n_end);
+    if (needs_mask) {
+      scores_to_probs<true>(s_rc, tScS, lse2, scale_log2, p.mask, m0, n0, seqlen_k);
+    } else {
+      scores_to_probs<false>(s_rc, tScS, lse2, scale_log2, p.mask, m0, n0, seqlen_k);
+    }
+
+    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+    clear(acc_dp);
+    gemm_ss(acc_dp, tSrQ, tSrK, at_offset(tSsdO, stage_offset), tSsV, mma_sdp, copy_sdp_a, copy_sdp_b,
+            thr_copy_sdp_a, thr_copy_sdp_b);
+    Tensor dp_rc = rowcol(acc_dp);
+    dprobs_to_dscores(dp_rc, s_rc, delta);
+
+    Tensor rP = convert_fragment<T>(acc_s);
+    Tensor rdS = convert_fragment<T>(acc_dp);
+    copy(copy_pds, thr_copy_pds.retile_S(rP), tPsP);
+    copy(copy_pds, thr_copy_pds.retile_S(rdS), tPsdS);
+    __syncthreads();
+
+    gemm_ss(acc_dv, tKVrPt, tKVrQt, tKVsPt, at_offset(tKVsdOt, stage_offset), mma_dkv, copy_dkv_a, copy_dkv_b,
+            thr_copy_dkv_a, thr_copy_dkv_b);
+
+    if (accumulate_dq) {
+      Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+      clear(acc_dq);
+      gemm_ss(acc_dq, tQrdS, tQrKt, tQsdS, tQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
+      float* dq_rows = p.dq_accum + q_batch_off + head * kD + m0 * q_row_stride;
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_dq); e += 2) {  // (e, e + 1) are adjacent columns of one row
+        const int row = get<0>(tQcdQ(e)), col = get<1>(tQcdQ(e));
+        if (row < m_end - m0) atomic_add_pair(dq_rows + int64_t(row) * q_row_stride + col, acc_dq(e), acc_dq(e + 1));
+      }
+    }
+
+    gemm_ss(acc_dk, tKVrPt, tKVrQt, tKVsdSt, at_offset(tKVsQt, stage_offset), mma_dkv, copy_dkv_a, copy_dkv_b,
+            thr_copy_dkv_a, thr_copy_dkv_b);
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: dK = scale · dK; stage both through shared memory (K, V's place) for 16-byte stores ----
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc_dk); ++e) acc_dk(e) *= p.scale;
+  Tensor rdK = convert_fragment<T>(acc_dk);
+  Tensor rdV = convert_fragment<T>(acc_dv);
+  auto copy_out = make_tiled_copy_C(typename Tr::SmemCopyAtomStore{}, mma_dkv);
+  auto thr_copy_out = copy_out.get_thread_slice(tid);
+  __syncthreads();  // every warp is done reading K and V
+  copy(copy_out, thr_copy_out.retile_S(rdK), thr_copy_out.partition_D(sK));
+  copy(copy_out, thr_copy_out.retile_S(rdV), thr_copy_out.partition_D(sV));
+  __syncthreads();
+
+  typename Tr::GmemTiledCopyOut gmem_copy_out;
+  auto gmem_thr_copy_out = gmem_copy_out.get_thread_slice(tid);
+  Tensor mdK = make_tensor(make_gmem_ptr(static_cast<T*>(p.dk) + k_off), make_shape(seqlen_k, Int<kD>{}),
+                           make_stride(k_row_stride, _1{}));
+  Tensor mdV = make_tensor(make_gmem_ptr(static_cast<T*>(p.dv) + k_off), make_shape(seqlen_k, Int<kD>{}),
+                           make_stride(k_row_stride, _1{}));
+  Tensor tOgdK = gmem_thr_copy_out.partition_D(local_tile(mdK, TileKV{}, make_coord(n_block, 0)));
+  Tensor tOgdV = gmem_thr_copy_out.partition_D(local_tile(mdV, TileKV{}, make_coord(n_block, 0)));
+  Tensor tOcKV = gmem_thr_copy_out.partition_D(make_identity_tensor(TileKV{}));
+  Tensor tOrdK = make_tensor<T>(shape(tOgdK));
+  Tensor tOrdV = make_tensor<T>(shape(tOgdV));
+  copy(gmem_copy_out, gmem_thr_copy_out.partition_S(sK), tOrdK);
+  copy(gmem_copy_out, gmem_thr_copy_out.partition_S(sV), tOrdV);
+  copy_tile_rows<false>(gmem_copy_out, tOrdK, tOgdK, tOcKV, seqlen_k - n0);
+  copy_tile_rows<false>(gmem_copy_out, tOrdV, tOgdV, tOcKV, seqlen_k - n0);
+}
+
+// ---- 3a. dq = scale · dq_accum (atomic mode) -----------------------------------------------------------
+
+template <class T>
+__global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,
+                                                                   T* __restrict__ dq, int64_t n4, float scale) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 a = reinterpret_cast<const float4*>(dq_accum)[i];
+    alignas(8) T out[4] = {T(a.x * scale), T(a.y * scale), T(a.z * scale), T(a.w * scale)};
+    reinterpret_cast<uint2*>(dq)[i] = *reinterpret_cast<const uint2*>(out);
+  }
+}
+
+// ---- 3b. dQ without atomics (deterministic mode) -------------------------------------------------------
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+  using T = typename Tr::Element;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
+  using TileQ = Shape<Int<kM>, Int<kD>>;
+  using TileKV = Shape<Int<kN>, Int<kD>>;
+  using TileS = Shape<Int<kM>, Int<kN>>;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const int tid = threadIdx.x;
+  const AttnDims& dims = p.dims;
+  const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
+  const int64_t num_m_blocks = (seqlen_q + kM - 1) / kM;
+  const int64_t m_block = num_m_blocks - 1 - int64_t(blockIdx.x) % num_m_blocks;  // heaviest causal block first
+  const int64_t bh = blockIdx.x / num_m_blocks;
+  const int64_t head = bh % dims.heads_q, batch = bh / dims.heads_q;
+  const int64_t head_k = head / (dims.heads_q / dims.heads_k);
+  const int64_t q_row_stride = dims.heads_q * kD, k_row_stride = dims.heads_k * kD;
+  const int64_t m0 = m_block * kM;
+  const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
+  const int64_t q_off = batch * seqlen_q * q_row_stride + head * kD;
+  const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
+  const int64_t stat_off = (batch * dims.heads_q + head) * seqlen_q;
+
+  int64_t key_begin, key_end;
+  visible_key_range(p.mask, m0, m_end, seqlen_k, &key_begin, &key_end);
+  const int64_t n_block_min = key_begin / kN;
+  const int64_t n_block_max = key_end > key_begin ? (key_end + kN - 1) / kN : n_block_min;
+  const int64_t n_iters = n_block_max - n_block_min;
+
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<const T*>(p.q) + q_off), make_shape(seqlen_q, Int<kD>{}),
+                          make_stride(q_row_stride, _1{}));
+  Tensor mdO = make_tensor(make_gmem_ptr(static_cast<const T*>(p.dout) + q_off), make_shape(seqlen_q, Int<kD>{}),
+                           make_stride(q_row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<const T*>(p.k) + k_off), make_shape(seqlen_k, Int<kD>{}),
+                          make_stride(k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(static_cast<const T*>(p.v) + k_off), make_shape(seqlen_k, Int<kD>{}),
+                          make_stride(k_row_stride, _1{}));
+  Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));  // (N, D, n_blocks)
+  Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
+
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem + Tr::kQElems), typename Tr::SmemLayoutQ{});
+  T* smem_k = smem + 2 * Tr::kQElems;
+  T* smem_v = smem_k + 2 * Tr::kKVElems;
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Tr::SmemLayoutKV{});  // stage 0
+  Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Tr::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Tr::SmemLayoutKt{});
+
+  typename Tr::GmemTiledCopy gmem_copy;
+  auto gmem_thr_copy = gmem_copy.get_thread_slice(tid);
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+  Tensor tKgK = gmem_thr_copy.partition_S(gK);
+  Tensor tVgV = gmem_thr_copy.partition_S(gV);
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);
+
+  auto load_kv = [&](int64_t i) {
+    if (i < n_iters) {
+      const int64_t n_block = n_block_min + i;
+      const int stage_offset = int(i % 2) * Tr::kKVElems;
+      copy_tile_rows<true>(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, stage_offset), tKVcKV, seqlen_k - n_block * kN);
+      copy_tile_rows<true>(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, stage_offset), tKVcKV, seqlen_k - n_block * kN);
+    }
+    cp_async_fence();
+  };
+  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0))),
+            gmem_thr_copy.partition_D(sQ), tQcQ, m_end - m0);
+  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0))),
+            gmem_thr_copy.partition_D(sdO), tQcQ, m_end - m0);
+  load_kv(0);
+
+  typename Tr::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(shape_only(smem, TileQ{}));
+  Tensor tSrK = thr_mma.partition_fragment_B(shape_only(smem, TileKV{}));
+  Tensor tQrKt = thr_mma.partition_fragment_B(shape_only(smem, Shape<Int<kD>, Int<kN>>{}));
+  auto copy_a = make_tiled_copy_A(typename Tr::SmemCopyAtom{}, mma);
+  auto copy_b = make_tiled_copy_B(typename Tr::SmemCopyAtom{}, mma);
+  auto copy_bt = make_tiled_copy_B(typename Tr::SmemCopyAtomTransposed{}, mma);
+  auto thr_copy_a = copy_a.get_thread_slice(tid);
+  auto thr_copy_b = copy_b.get_thread_slice(tid);
+  auto thr_copy_bt = copy_bt.get_thread_slice(tid);
+  Tensor tSsQ = thr_copy_a.partition_S(sQ);
+  Tensor tSsdO = thr_copy_a.partition_S(sdO);
+  Tensor tSsK = thr_copy_b.partition_S(sK);
+  Tensor tSsV = thr_copy_b.partition_S(sV);
+  Tensor tQsKt = thr_copy_bt.partition_S(sKt);
+
+  Tensor acc_dq = partition_fragment_C(mma, TileQ{});
+  clear(acc_dq);
+  Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(TileS{})));
+  constexpr int kRows = decltype(size<0>(tScS))::value;
+  float lse2[kRows], delta[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = m0 + get<0>(tScS(r, 0));
+    lse2[r] = lse_log2_of(p.lse + stat_off, row, seqlen_q);
+    delta[r] = row < seqlen_q ? p.delta[stat_off + row] : 0.f;
+  }
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+
+  for (int64_t i = 0; i < n_iters; ++i) {
+    const int64_t n0 = (n_block_min + i) * kN;
+    const int stage_offset = int(i % 2) * Tr::kKVElems;
+    cp_async_wait<0>();
+    __syncthreads();
+    load_kv(i + 1);
+
+    Tensor acc_s = partition_fragment_C(mma, TileS{});
+    clear(acc_s);
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage_offset), mma, copy_a, copy_b, thr_copy_a, thr_copy_b);
+    Tensor s_rc = rowcol(acc_s);
+    const bool needs_mask =
+        n0 + kN > seqlen_k || !block_fully_visible(p.mask, m0, m_end, n0, cute::min(n0 + kN, seqlen_k));
+    if (needs_mask) {
+      scores_to_probs<true>(s_rc, tScS, lse2, scale_log2, p.mask, m0, n0, seqlen_k);
+    } else {
+      scores_to_probs<false>(s_rc, tScS, lse2, scale_log2, p.mask, m0, n0, seqlen_k);
+    }
+    Tensor acc_dp = partition_fragment_C(mma, TileS{});
+    clear(acc_dp);
+    gemm_ss(acc_dp, tSrQ, tSrK, tSsdO, at_offset(tSsV, stage_offset), mma, copy_a, copy_b, thr_copy_a, thr_copy_b);
+    Tensor dp_rc = rowcol(acc_dp);
+    dprobs_to_dscores(dp_rc, s_rc, delta);
+
+    Tensor rdS = convert_fragment<T>(acc_dp);
+    Tensor tQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
+    gemm_rs(acc_dq, tQrdS, tQrKt, at_offset(tQsKt, stage_offset), mma, copy_bt, thr_copy_bt);
+  }
+  cp_async_wait<0>();
+
+  // dq_accum = dS·K (fp32, the atomic mode's workspace meaning); dq = scale · dS·K.
+  Tensor tQcdQ = thr_mma.partition_C(make_identity_tensor(TileQ{}));
+  float* acc_rows = p.dq_accum + q_off + m0 * q_row_stride;
+  T* dq_rows = static_cast<T*>(p.dq) + q_off + m0 * q_row_stride;
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc_dq); e += 2) {
+    const int row = get<0>(tQcdQ(e)), col = get<1>(tQcdQ(e));
+    if (row < m_end - m0) {
+      const int64_t off = int64_t(row) * q_row_stride + col;
+      *reinterpret_cast<float2*>(acc_rows + off) = make_float2(acc_dq(e), acc_dq(e + 1));
+      alignas(4) T pair[2] = {T(acc_dq(e) * p.scale), T(acc_dq(e + 1) * p.scale)};
+      *reinterpret_cast<uint32_t*>(dq_rows + off) = *reinterpret_cast<const uint32_t*>(pair);
+    }
+  }
+}
+
+}  // namespace jaxflash

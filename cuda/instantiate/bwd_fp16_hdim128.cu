@@ -1,0 +1,5 @@
+#include "launch_bwd.cuh"
+
+namespace jaxflash {
+template cudaError_t run_bwd<DType::kFP16, 128>(const BwdParams&, bool, cudaStream_t, int);
+}  // namespace jaxflash
