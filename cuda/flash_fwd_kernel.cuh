@@ -92,16 +92,17 @@ __forceinline__ __device__ auto at_offset(TensorT const& t, int offset) {
   return make_tensor(t.data() + offset, t.layout());
 }
 
-// Copies the rows of a partitioned tile whose row coordinate is below `rows_left`; zero-fills the rest, so
-// that padding rows of K and V hold finite values (P is 0 there, and 0·NaN would be NaN).
-template <class TiledCopy, class Src, class Dst, class Coord>
+// Copies the rows of a partitioned tile whose row coordinate is below `rows_left`. Loads into shared
+// memory zero-fill the other rows (kZeroFill), so that padding rows of K and V hold finite values (P is 0
+// there, and 0·NaN would be NaN); stores to global memory skip them (they belong to other tensors).
+template <bool kZeroFill, class TiledCopy, class Src, class Dst, class Coord>
 __forceinline__ __device__ void copy_rows(TiledCopy const& tiled_copy, Src const& src, Dst&& dst, Coord const& coord,
                                           int64_t rows_left) {
   CUTE_UNROLL
   for (int i = 0; i < size<1>(src); ++i) {
     if (get<0>(coord(0, i, 0)) < rows_left) {
       copy(tiled_copy, src(_, i, _), dst(_, i, _));
-    } else {
+    } else if constexpr (kZeroFill) {
       clear(dst(_, i, _));
     }
   }
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   if (n_iters <= 0) {  // no row of this block sees any key: O = 0, LSE = −inf
     Tensor zeros = make_tensor<T>(shape(tOgO));
     clear(zeros);
-    copy_rows(gmem_copy_o, zeros, tOgO, tOcO, m_end - m0);
+    copy_rows</*kZeroFill=*/false>(gmem_copy_o, zeros, tOgO, tOcO, m_end - m0);
     for (int r = tid; r < m_end - m0; r += Tr::kNThreads) lse_row[r] = -INFINITY;
     return;
   }
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   auto smem_thr_copy_v = smem_copy_v.get_thread_slice(tid);
   Tensor tOsVt = smem_thr_copy_v.partition_S(sVt);
 
-  // (row, col) of each score this thread holds, for the mask.
+  // (row, col) inside the block of each score this thread holds, for the mask.
   Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
 
   // ---- the K/V pipeline ----
@@ -275,7 +276,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   auto load_k = [&](int i) {
     if (i < n_iters) {
       const int n_block = n_block_max - 1 - i;
-      copy_rows(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, (i % kStages) * Tr::kKVElems), tKVcKV,
+      copy_rows</*kZeroFill=*/true>(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, (i % kStages) * Tr::kKVElems), tKVcKV,
                 seqlen_k - int64_t(n_block) * kN);
     }
     cp_async_fence();
@@ -283,13 +284,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   auto load_v = [&](int i) {
     if (i < n_iters) {
       const int n_block = n_block_max - 1 - i;
-      copy_rows(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, (i % kStages) * Tr::kKVElems), tKVcKV,
+      copy_rows</*kZeroFill=*/true>(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, (i % kStages) * Tr::kKVElems), tKVcKV,
                 seqlen_k - int64_t(n_block) * kN);
     }
     cp_async_fence();
   };
 
-  copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, m_end - m0);
+  copy_rows</*kZeroFill=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, m_end - m0);
   load_k(0);  // the first group also carries Q
   CUTE_UNROLL
   for (int s = 0; s + 1 < kStages; ++s) {
@@ -302,7 +303,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   constexpr int kRows = 2 * decltype(size<1>(acc_o))::value;  // query rows this thread holds
   OnlineSoftmax<kRows> softmax;
 
-  for (int i = 0; i < n_iters; ++i) {
+  // Only blocks that straddle the sequence end or the mask boundary pay the per-element predicate.
+  auto block_needs_mask = [&](int i) {
+    const int64_t n0 = int64_t(n_block_max - 1 - i) * kN;
+    return n0 + kN > seqlen_k || !block_fully_visible(p.mask, m0, m_end, n0, cute::min(n0 + kN, seqlen_k));
+  };
+  auto iteration = [&](int i, auto masked) __attribute__((always_inline)) {
     const int n_block = n_block_max - 1 - i;
     const int64_t n0 = int64_t(n_block) * kN;
     const int stage_offset = (i % kStages) * Tr::kKVElems;
@@ -320,15 +326,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     __syncthreads();
     load_k(i + kStages);
 
-    // Only blocks that straddle the sequence end or the mask boundary pay the per-element predicate.
-    const bool needs_mask =
-        n0 + kN > seqlen_k || !block_fully_visible(p.mask, m0, m_end, n0, cute::min(n0 + kN, seqlen_k));
-    if (needs_mask) {
+    if constexpr (decltype(masked)::value) {
+      // A row's visible keys are one contiguous range (mask.h); compare block-local int columns to it.
+      Tensor s_rc = rowcol(acc_s);
+      Tensor c_rc = rowcol(tScS);
       CUTE_UNROLL
-      for (int e = 0; e < size(acc_s); ++e) {
-        const int64_t row = m0 + get<0>(tScS(e));
-        const int64_t col = n0 + get<1>(tScS(e));
-        if (col >= seqlen_k || !is_visible(p.mask, row, col)) acc_s(e) = -INFINITY;
+      for (int r = 0; r < size<0>(s_rc); ++r) {
+        const int64_t row = m0 + get<0>(c_rc(r, 0));
+        int64_t lo, hi;
+        visible_key_range(p.mask, row, row + 1, seqlen_k, &lo, &hi);
+        const int lo_local = int(cute::max(lo - n0, int64_t(0)));
+        const int hi_local = int(cute::min(hi - n0, int64_t(kN)));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const int col = get<1>(c_rc(r, c));
+          if (col < lo_local || col >= hi_local) s_rc(r, c) = -INFINITY;
+        }
       }
     }
 
@@ -339,6 +352,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     Tensor rP = convert_fragment<T>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
     gemm_rs(acc_o, tOrP, tOrVt, at_offset(tOsVt, stage_offset), tiled_mma, smem_copy_v, smem_thr_copy_v);
+  };
+
+  // Blocks run from the last to the first: the masked ones (sequence tail, causal diagonal) come first,
+  // then a predicate-free run (and, for a left window bound, masked ones again). Separate loops keep the
+  // mask's registers out of the predicate-free one.
+  for (int i = 0; i < n_iters;) {
+    for (; i < n_iters && block_needs_mask(i); ++i) iteration(i, std::true_type{});
+    for (; i < n_iters && !block_needs_mask(i); ++i) iteration(i, std::false_type{});
   }
   cp_async_wait<0>();
 
@@ -360,7 +381,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   Tensor tOsO = gmem_thr_copy_o.partition_S(sO);
   Tensor tOrO = make_tensor<T>(shape(tOgO));
   copy(gmem_copy_o, tOsO, tOrO);
-  copy_rows(gmem_copy_o, tOrO, tOgO, tOcO, m_end - m0);
+  copy_rows</*kZeroFill=*/false>(gmem_copy_o, tOrO, tOgO, tOcO, m_end - m0);
 
   Tensor tOcO_acc = rowcol(thr_mma.partition_C(cQ));  // (row, col) of this thread's O rows
   if (get<1>(tOcO_acc(0, 0)) == 0) {                   // one thread of each quad writes the row's LSE
