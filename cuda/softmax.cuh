@@ -49,6 +49,8 @@ struct OnlineSoftmax {
   template <class TS, class TO>
   __forceinline__ __device__ void update(TS& s, TO& o, float scale_log2) {
     static_assert(decltype(cute::size<0>(s))::value == kNRows);
+    float correction[kNRows];
+    bool max_moved = false;
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
       float m = row_max[r];
@@ -56,12 +58,24 @@ struct OnlineSoftmax {
       for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      max_moved |= m != row_max[r];
       const float m_safe = m == -INFINITY ? 0.f : m;
-      const float correction = exp2f((row_max[r] - m_safe) * scale_log2);  // 0 while row_max is −inf
+      correction[r] = exp2f((row_max[r] - m_safe) * scale_log2);  // 0 while row_max is −inf
       row_max[r] = m;
-      row_sum[r] *= correction;
+      row_sum[r] *= correction[r];
+    }
+    // Once the row maxima settle (after the first blocks, on most data) every correction is exactly 1:
+    // skip the Br·d multiplies of O then. The vote keeps the branch uniform across the warp.
+    if (__any_sync(0xffffffffu, max_moved)) {
 #pragma unroll
-      for (int c = 0; c < cute::size<1>(o); ++c) o(r, c) *= correction;
+      for (int r = 0; r < kNRows; ++r) {
+#pragma unroll
+        for (int c = 0; c < cute::size<1>(o); ++c) o(r, c) *= correction[r];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kNRows; ++r) {
+      const float m_safe = row_max[r] == -INFINITY ? 0.f : row_max[r];
       const float m_scaled = m_safe * scale_log2;
       float sum = 0.f;
 #pragma unroll
