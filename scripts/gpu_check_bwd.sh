@@ -66,7 +66,7 @@ print("small backward cases ran")
 PYEOF
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
-    if timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name regex:flash_bwd "$PY" \
+    if timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=flash_bwd "$PY" \
         /tmp/jaxflash_bwd_small.py >"$LOG/sanitizer_bwd_$tool.log" 2>&1; then
       verdict "sanitizer $tool" "ok: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_bwd_$tool.log" | tail -1)"
     else
