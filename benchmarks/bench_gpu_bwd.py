@@ -98,6 +98,15 @@ def device_ms(f, sets, reps=10):
     return statistics.median(times), "back-to-back"
 
 
+def kernel_breakdown(f, args, iterations=3):
+    """[(kernel name, median ms)] of one call, in launch order (CUPTI only)."""
+    if not _CUPTI:
+        return []
+    _, per_iter = _CUPTI.measure(f, aggregate=False, iterations=iterations)(*args)
+    names = [name for name, _ in per_iter[0]]
+    return [(name, statistics.median(it[i][1] for it in per_iter)) for i, name in enumerate(names)]
+
+
 def flops(b, h, s, d, causal):
     return 3.5 * 4 * b * h * s * s * d / (2 if causal else 1)
 
@@ -112,6 +121,7 @@ def main():
     ap.add_argument("--xla-max-seq", type=int, default=4096, help="xla materialises S²: skip it above this")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-memory-case", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="per-kernel device times of the jaxflash calls")
     args = ap.parse_args()
     dims = [64, 128] if args.quick else [int(x) for x in args.dims.split(",")]
     seqs = [4096, 16384] if args.quick else [int(x) for x in args.seqs.split(",")]
@@ -150,6 +160,10 @@ def main():
                         table[key] = f"{tf:.0f}"
                         print(f"RESULT impl={name} d={d} s={s} b={b} h={h} causal={int(causal)} pass=fwdbwd "
                               f"ms={ms:.4f} tflops={tf:.1f} method={method}", flush=True)
+                        if args.breakdown and name.startswith("jaxflash"):
+                            for kname, kms in kernel_breakdown(f, sets[0]):
+                                print(f"KERNEL impl={name} d={d} s={s} causal={int(causal)} ms={kms:.4f} "
+                                      f"name={kname[:90]}", flush=True)
                     except Exception as e:  # noqa: BLE001
                         table[key] = "OOM" if "RESOURCE_EXHAUSTED" in str(e) else "err"
                         print(f"# {name} d={d} s={s} causal={int(causal)}: {type(e).__name__}: {str(e)[:200]}")

@@ -329,9 +329,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
   Tensor tQsdO = gmem_thr_copy.partition_D(sdO);
 
-  // (head, m block) of iteration `it`: heads of the group outer, query blocks inner.
+  // (head, m block) of iteration `it`: heads of the group outer, query blocks inner. Each K/V block starts
+  // at a different query block (rotation by n_block), so the blocks running side by side add their dQ
+  // into different rows of dq_accum instead of all contending for the same addresses.
+  const int64_t m_shift = n_m > 0 ? n_block % n_m : 0;
   auto iter_head = [&](int64_t it) { return head0 + it / n_m; };
-  auto iter_m_block = [&](int64_t it) { return m_block_min + it % n_m; };
+  auto iter_m_block = [&](int64_t it) {
+    const int64_t m = it % n_m + m_shift;
+    return m_block_min + (m < n_m ? m : m - n_m);
+  };
   auto load_q_do = [&](int64_t it) {
     if (it < n_iters) {
       const int64_t m_block = iter_m_block(it);

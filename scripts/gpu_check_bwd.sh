@@ -4,6 +4,7 @@
 #   2. pytest tests/test_gpu_backward.py (dq, dk, dv vs the float64 oracle, determinism, jit/vmap);
 #   3. the fwd+bwd benchmark (benchmarks/bench_gpu_bwd.py; BENCH_ARGS passes options);
 #   4. compute-sanitizer memcheck and racecheck on small backward cases (SKIP_SANITIZER=1 skips).
+# Environment: JAXFLASH_CUDA_ARCHS, SKIP_BUILD=1, PYTEST_K (a pytest -k expression), BENCH_ARGS, SKIP_BENCH=1.
 # Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ cd /tmp  # import the installed package, not the source tree
 REPO="$OLDPWD"
 
 echo "== pytest test_gpu_backward.py"
-if timeout "${PYTEST_TIMEOUT:-400}" "$PY" -m pytest -q --maxfail=5 -p no:cacheprovider ${PYTEST_ARGS:-} \
+if timeout "${PYTEST_TIMEOUT:-400}" "$PY" -m pytest -q --maxfail=5 -p no:cacheprovider -k "${PYTEST_K:-}" \
     "$REPO/tests/test_gpu_backward.py" >"$LOG/pytest_bwd.log" 2>&1; then
   verdict "pytest bwd" "ok: $(tail -1 "$LOG/pytest_bwd.log")"
 else
