@@ -273,22 +273,23 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   // out in the order [Q+K_0], V_0, K_1, V_1, ...; iteration i issues V_{i+S−1} once every thread is past
   // P·V_{i−1} and K_{i+S} once every thread is past Q·K_iᵀ. So 2(S−1) groups may still be in flight when
   // K_i or V_i is needed. Empty groups are committed past the end to keep that count exact.
-  auto load_k = [&](int i) {
+  // Only the first block of the loop (the highest, which may hold the end of the sequence) can be
+  // partial: every later one is full and is copied without row predicates or zero-fill.
+  auto load_kv = [&](auto const& tXgX, auto const& tXsX, int i) {
     if (i < n_iters) {
       const int n_block = n_block_max - 1 - i;
-      copy_rows</*kZeroFill=*/true>(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, (i % kStages) * Tr::kKVElems), tKVcKV,
-                seqlen_k - int64_t(n_block) * kN);
+      Tensor dst = at_offset(tXsX, (i % kStages) * Tr::kKVElems);
+      if (i == 0) {
+        copy_rows</*kZeroFill=*/true>(gmem_copy, tXgX(_, _, _, n_block), dst, tKVcKV,
+                                      seqlen_k - int64_t(n_block) * kN);
+      } else {
+        copy(gmem_copy, tXgX(_, _, _, n_block), dst);
+      }
     }
     cp_async_fence();
   };
-  auto load_v = [&](int i) {
-    if (i < n_iters) {
-      const int n_block = n_block_max - 1 - i;
-      copy_rows</*kZeroFill=*/true>(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, (i % kStages) * Tr::kKVElems), tKVcKV,
-                seqlen_k - int64_t(n_block) * kN);
-    }
-    cp_async_fence();
-  };
+  auto load_k = [&](int i) { load_kv(tKgK, tKsK, i); };
+  auto load_v = [&](int i) { load_kv(tVgV, tVsV, i); };
 
   copy_rows</*kZeroFill=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, m_end - m0);
   load_k(0);  // the first group also carries Q

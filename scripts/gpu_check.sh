@@ -56,7 +56,7 @@ print("small cases ran")
 PYEOF
 for tool in memcheck racecheck; do
   echo "== compute-sanitizer --tool $tool"
-  if compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name regex:flash_fwd "$PY" /tmp/jaxflash_small.py \
+  if compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=flash_fwd "$PY" /tmp/jaxflash_small.py \
       >"$LOG/sanitizer_$tool.log" 2>&1; then
     verdict "sanitizer $tool" "ok: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_$tool.log" | tail -1)"
   else
