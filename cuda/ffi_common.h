@@ -2,6 +2,7 @@
 // message starts with the target name and names the value received; nothing here aborts.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -86,13 +87,47 @@ inline std::vector<int64_t> StatShape(ffi::Span<const int64_t> qd) {
   return s;
 }
 
-// The mask of the `causal` attribute: bottom-right aligned, as FlashAttention aligns it.
-inline MaskParams CausalMask(const AttnDims& d, bool causal) {
-  MaskParams m;
-  m.diag_offset = d.seqlen_k - d.seqlen_q;
-  m.window_left = -1;
-  m.window_right = causal ? 0 : -1;
-  return m;
+// The mask attributes and arrays every handler takes, in binding order (see MaskArgs below).
+struct MaskAttrs {
+  int64_t window_left;   // -1: unbounded
+  int64_t window_right;  // -1: unbounded; causal is 0
+  bool bottom_right;     // diagonal offset Sk - Sq (FlashAttention) rather than 0 (jax.nn)
+  bool use_segment_ids;  // q_segment_ids / kv_segment_ids are meaningful
+  bool use_lengths;      // q_lengths / kv_lengths are meaningful
+};
+
+// Checks the mask arrays against q [..., Sq, H, D] / k [..., Sk, Hk, D] and fills `mask`:
+// segment ids [..., Sq] and [..., Sk], lengths [...], all int32. Arrays that a flag marks unused are
+// ignored (the Python layer passes placeholders of the same shapes).
+inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, const AttnDims& dims,
+                            const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& kv_seg,
+                            const ffi::Buffer<ffi::S32>& q_len, const ffi::Buffer<ffi::S32>& kv_len,
+                            const MaskAttrs& attrs, MaskParams* mask) {
+  if (attrs.window_left < -1 || attrs.window_right < -1)
+    return Invalid(target, "window sides must be >= -1; got (" + std::to_string(attrs.window_left) + ", " +
+                               std::to_string(attrs.window_right) + ")");
+  std::vector<int64_t> lead(qd.begin(), qd.end() - 3);
+  std::vector<int64_t> want_q = lead, want_k = lead;
+  want_q.push_back(dims.seqlen_q);
+  want_k.push_back(dims.seqlen_k);
+  if (auto e = CheckShape(target, "q_segment_ids", q_seg.dimensions(), want_q); e.failure()) return e;
+  if (auto e = CheckShape(target, "kv_segment_ids", kv_seg.dimensions(), want_k); e.failure()) return e;
+  if (auto e = CheckShape(target, "q_lengths", q_len.dimensions(), lead); e.failure()) return e;
+  if (auto e = CheckShape(target, "kv_lengths", kv_len.dimensions(), lead); e.failure()) return e;
+  mask->diag_offset = attrs.bottom_right ? dims.seqlen_k - dims.seqlen_q : 0;
+  mask->window_left = attrs.window_left;
+  mask->window_right = attrs.window_right;
+  mask->q_segment_ids = attrs.use_segment_ids ? q_seg.typed_data() : nullptr;
+  mask->kv_segment_ids = attrs.use_segment_ids ? kv_seg.typed_data() : nullptr;
+  mask->q_lengths = attrs.use_lengths ? q_len.typed_data() : nullptr;
+  mask->kv_lengths = attrs.use_lengths ? kv_len.typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckSoftcap(const char* target, float softcap) {
+  if (!(softcap >= 0.f) || softcap == INFINITY)
+    return Invalid(target, "softcap must be finite and >= 0 (0: off); got " + std::to_string(softcap));
+  return ffi::Error::Success();
 }
 
 }  // namespace jaxflash
