@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "params.h"
@@ -122,6 +123,73 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
   mask->q_lengths = attrs.use_lengths ? q_len.typed_data() : nullptr;
   mask->kv_lengths = attrs.use_lengths ? kv_len.typed_data() : nullptr;
   return ffi::Error::Success();
+}
+
+// The operands and attributes of the two targets after any platform context, in the handlers' parameter
+// order. Both platforms bind through these, so the CPU handler (tested in CI) and the CUDA one decode the
+// same call the same way.
+template <typename Binding>
+auto BindMaskOperands(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // q_segment_ids  [..., Sq]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // kv_segment_ids [..., Sk]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // q_lengths      [...]
+      .template Arg<ffi::Buffer<ffi::S32>>();  // kv_lengths     [...]
+}
+
+template <typename Binding>
+auto BindMaskAttrs(Binding b) {
+  return std::move(b)
+      .template Attr<float>("scale")
+      .template Attr<float>("softcap")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right")
+      .template Attr<bool>("segment_ids")
+      .template Attr<bool>("lengths");
+}
+
+// jaxflash_fwd: (q, k, v, mask operands) -> (o, lse); attributes as BindMaskAttrs. (Bindings cannot be
+// moved into named variables, so each step is passed on as a temporary.)
+template <typename Binding>
+auto BindFwd(Binding b) {
+  return BindMaskAttrs(BindMaskOperands(std::move(b)
+                                            .template Arg<ffi::AnyBuffer>()    // q [..., Sq, Hq, D]
+                                            .template Arg<ffi::AnyBuffer>()    // k [..., Sk, Hk, D]
+                                            .template Arg<ffi::AnyBuffer>())   // v [..., Sk, Hk, D]
+                           .template Ret<ffi::AnyBuffer>()                     // o   [..., Sq, Hq, D]
+                           .template Ret<ffi::Buffer<ffi::F32>>());            // lse [..., Hq, Sq]
+}
+
+// jaxflash_bwd: (do, q, k, v, o, lse, dlse, mask operands) -> (dq, dk, dv, dq_accum, delta); attributes as
+// BindMaskAttrs plus `deterministic`.
+template <typename Binding>
+auto BindBwd(Binding b) {
+  return BindMaskAttrs(BindMaskOperands(std::move(b)
+                                            .template Arg<ffi::AnyBuffer>()            // do   [..., Sq, Hq, D]
+                                            .template Arg<ffi::AnyBuffer>()            // q
+                                            .template Arg<ffi::AnyBuffer>()            // k    [..., Sk, Hk, D]
+                                            .template Arg<ffi::AnyBuffer>()            // v
+                                            .template Arg<ffi::AnyBuffer>()            // o    [..., Sq, Hq, D]
+                                            .template Arg<ffi::Buffer<ffi::F32>>()     // lse  [..., Hq, Sq]
+                                            .template Arg<ffi::Buffer<ffi::F32>>())    // dlse [..., Hq, Sq]
+                           .template Ret<ffi::AnyBuffer>()                             // dq
+                           .template Ret<ffi::AnyBuffer>()                             // dk
+                           .template Ret<ffi::AnyBuffer>()                             // dv
+                           .template Ret<ffi::Buffer<ffi::F32>>()     // dq_accum [..., Sq, Hq, D] (workspace)
+                           .template Ret<ffi::Buffer<ffi::F32>>())    // delta    [..., Hq, Sq]    (workspace)
+      .template Attr<bool>("deterministic");
+}
+
+// The CUDA kernels do not implement segment ids, lengths, softcap, sliding windows or the top-left
+// diagonal yet (the CPU kernel does): say so rather than compute something else.
+inline ffi::Error CheckCudaMaskSupported(const char* target, const MaskAttrs& a, float softcap) {
+  const bool plain = !a.use_segment_ids && !a.use_lengths && softcap == 0.f && a.window_left == -1 &&
+                     (a.window_right == -1 || a.window_right == 0) && a.bottom_right;
+  if (plain) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    std::string(target) + ": the CUDA kernel supports no mask but the bottom-right causal one yet "
+                                          "(segment ids, lengths, softcap and windows run on the CPU kernel)");
 }
 
 inline ffi::Error CheckSoftcap(const char* target, float softcap) {

@@ -126,51 +126,8 @@ ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segment_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lengths
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lengths
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<bool>("bottom_right")
-                                  .Attr<bool>("segment_ids")
-                                  .Attr<bool>("lengths"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // do
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_segment_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_segment_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lengths
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lengths
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq_accum (workspace)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // delta (workspace)
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<bool>("bottom_right")
-                                  .Attr<bool>("segment_ids")
-                                  .Attr<bool>("lengths")
-                                  .Attr<bool>("deterministic"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdImpl, jaxflash::BindFwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl, jaxflash::BindBwd(ffi::Ffi::Bind()));
 
 NB_MODULE(_jaxflash_cpu, m) {
   m.def("registrations", [] {

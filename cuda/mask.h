@@ -36,6 +36,19 @@ JAXFLASH_HD void visible_key_range(const MaskParams& m, int64_t row_begin, int64
   *key_end = hi;
 }
 
+// Query rows that can see some key of [key_begin, key_end) lie in [*row_begin, *row_end) (clamped to
+// [0, seqlen_q]): the inverse of visible_key_range, so a K/V block skips the query blocks that see none of it.
+JAXFLASH_HD void visible_query_range(const MaskParams& m, int64_t key_begin, int64_t key_end, int64_t seqlen_q,
+                                     int64_t* row_begin, int64_t* row_end) {
+  int64_t lo = 0, hi = seqlen_q;
+  if (m.window_right >= 0) lo = key_begin - m.diag_offset - m.window_right;         // j <= i + off + r
+  if (m.window_left >= 0) hi = (key_end - 1) - m.diag_offset + m.window_left + 1;  // j >= i + off - l
+  lo = lo < 0 ? 0 : lo;
+  hi = hi > seqlen_q ? seqlen_q : hi;
+  *row_begin = lo;
+  *row_end = hi;
+}
+
 // True when every (i, j) in the block [row_begin, row_end) x [key_begin, key_end) is visible, so the
 // kernel can skip the per-element predicate.
 JAXFLASH_HD bool block_fully_visible(const MaskParams& m, int64_t row_begin, int64_t row_end,

@@ -70,10 +70,6 @@ def bwd(do, q, k, v, o, lse, dlse, mask_arrays, cfg):
     return dq, dk, dv
 
 
-def cuda_has_bwd() -> bool:
-    return _jaxflash_cuda is not None and "jaxflash_bwd" in _jaxflash_cuda.registrations()
-
-
 def cuda_supported() -> set[tuple[str, int]]:
     """(dtype name, head dim) pairs compiled into the CUDA module; empty without it."""
     if _jaxflash_cuda is None:

@@ -76,6 +76,10 @@ def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_i
     seg = _check_segment_ids(q_segment_ids, kv_segment_ids, lead, sq, sk)
     lengths = _check_lengths(q_lengths, kv_lengths, lead, sq, sk)
     backend = _resolve_backend(backend, query)
+    if backend == "cuda" and (seg or lengths or softcap or left >= 0 or right > 0 or not bottom_right):
+        _fail(NotImplementedError, "the CUDA kernels support no mask but causal=True yet; segment ids, lengths, "
+                                   "softcap and windows run on the CPU kernel (inputs on the CPU) or with "
+                                   "backend='reference'")
 
     if backend == "reference":
         out, lse = reference.attention_with_lse(
@@ -92,7 +96,7 @@ def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_i
         len_ops = lengths or (jnp.full(lead, sq, jnp.int32), jnp.full(lead, sk, jnp.int32))
         cfg = _vjp.Config(scale=scale, softcap=softcap, window_left=left, window_right=right,
                           bottom_right=bottom_right, segment_ids=seg is not None, lengths=lengths is not None,
-                          deterministic=deterministic, reference_bwd=backend == "cuda" and not _ffi.cuda_has_bwd())
+                          deterministic=deterministic)
         out, lse = _vjp.flash(query, key, value, (*seg_ops, *len_ops), cfg)
     return (out, lse) if return_lse else out
 
