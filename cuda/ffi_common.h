@@ -2,8 +2,10 @@
 // message starts with the target name and names the value received; nothing here aborts.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "params.h"
@@ -86,13 +88,114 @@ inline std::vector<int64_t> StatShape(ffi::Span<const int64_t> qd) {
   return s;
 }
 
-// The mask of the `causal` attribute: bottom-right aligned, as FlashAttention aligns it.
-inline MaskParams CausalMask(const AttnDims& d, bool causal) {
-  MaskParams m;
-  m.diag_offset = d.seqlen_k - d.seqlen_q;
-  m.window_left = -1;
-  m.window_right = causal ? 0 : -1;
-  return m;
+// The mask attributes and arrays every handler takes, in binding order (see MaskArgs below).
+struct MaskAttrs {
+  int64_t window_left;   // -1: unbounded
+  int64_t window_right;  // -1: unbounded; causal is 0
+  bool bottom_right;     // diagonal offset Sk - Sq (FlashAttention) rather than 0 (jax.nn)
+  bool use_segment_ids;  // q_segment_ids / kv_segment_ids are meaningful
+  bool use_lengths;      // q_lengths / kv_lengths are meaningful
+};
+
+// Checks the mask arrays against q [..., Sq, H, D] / k [..., Sk, Hk, D] and fills `mask`:
+// segment ids [..., Sq] and [..., Sk], lengths [...], all int32. Arrays that a flag marks unused are
+// ignored (the Python layer passes placeholders of the same shapes).
+inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, const AttnDims& dims,
+                            const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& kv_seg,
+                            const ffi::Buffer<ffi::S32>& q_len, const ffi::Buffer<ffi::S32>& kv_len,
+                            const MaskAttrs& attrs, MaskParams* mask) {
+  if (attrs.window_left < -1 || attrs.window_right < -1)
+    return Invalid(target, "window sides must be >= -1; got (" + std::to_string(attrs.window_left) + ", " +
+                               std::to_string(attrs.window_right) + ")");
+  std::vector<int64_t> lead(qd.begin(), qd.end() - 3);
+  std::vector<int64_t> want_q = lead, want_k = lead;
+  want_q.push_back(dims.seqlen_q);
+  want_k.push_back(dims.seqlen_k);
+  if (auto e = CheckShape(target, "q_segment_ids", q_seg.dimensions(), want_q); e.failure()) return e;
+  if (auto e = CheckShape(target, "kv_segment_ids", kv_seg.dimensions(), want_k); e.failure()) return e;
+  if (auto e = CheckShape(target, "q_lengths", q_len.dimensions(), lead); e.failure()) return e;
+  if (auto e = CheckShape(target, "kv_lengths", kv_len.dimensions(), lead); e.failure()) return e;
+  mask->diag_offset = attrs.bottom_right ? dims.seqlen_k - dims.seqlen_q : 0;
+  mask->window_left = attrs.window_left;
+  mask->window_right = attrs.window_right;
+  mask->q_segment_ids = attrs.use_segment_ids ? q_seg.typed_data() : nullptr;
+  mask->kv_segment_ids = attrs.use_segment_ids ? kv_seg.typed_data() : nullptr;
+  mask->q_lengths = attrs.use_lengths ? q_len.typed_data() : nullptr;
+  mask->kv_lengths = attrs.use_lengths ? kv_len.typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
+// The operands and attributes of the two targets after any platform context, in the handlers' parameter
+// order. Both platforms bind through these, so the CPU handler (tested in CI) and the CUDA one decode the
+// same call the same way.
+template <typename Binding>
+auto BindMaskOperands(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // q_segment_ids  [..., Sq]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // kv_segment_ids [..., Sk]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // q_lengths      [...]
+      .template Arg<ffi::Buffer<ffi::S32>>();  // kv_lengths     [...]
+}
+
+template <typename Binding>
+auto BindMaskAttrs(Binding b) {
+  return std::move(b)
+      .template Attr<float>("scale")
+      .template Attr<float>("softcap")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right")
+      .template Attr<bool>("segment_ids")
+      .template Attr<bool>("lengths");
+}
+
+// jaxflash_fwd: (q, k, v, mask operands) -> (o, lse); attributes as BindMaskAttrs. (Bindings cannot be
+// moved into named variables, so each step is passed on as a temporary.)
+template <typename Binding>
+auto BindFwd(Binding b) {
+  return BindMaskAttrs(BindMaskOperands(std::move(b)
+                                            .template Arg<ffi::AnyBuffer>()    // q [..., Sq, Hq, D]
+                                            .template Arg<ffi::AnyBuffer>()    // k [..., Sk, Hk, D]
+                                            .template Arg<ffi::AnyBuffer>())   // v [..., Sk, Hk, D]
+                           .template Ret<ffi::AnyBuffer>()                     // o   [..., Sq, Hq, D]
+                           .template Ret<ffi::Buffer<ffi::F32>>());            // lse [..., Hq, Sq]
+}
+
+// jaxflash_bwd: (do, q, k, v, o, lse, dlse, mask operands) -> (dq, dk, dv, dq_accum, delta); attributes as
+// BindMaskAttrs plus `deterministic`.
+template <typename Binding>
+auto BindBwd(Binding b) {
+  return BindMaskAttrs(BindMaskOperands(std::move(b)
+                                            .template Arg<ffi::AnyBuffer>()            // do   [..., Sq, Hq, D]
+                                            .template Arg<ffi::AnyBuffer>()            // q
+                                            .template Arg<ffi::AnyBuffer>()            // k    [..., Sk, Hk, D]
+                                            .template Arg<ffi::AnyBuffer>()            // v
+                                            .template Arg<ffi::AnyBuffer>()            // o    [..., Sq, Hq, D]
+                                            .template Arg<ffi::Buffer<ffi::F32>>()     // lse  [..., Hq, Sq]
+                                            .template Arg<ffi::Buffer<ffi::F32>>())    // dlse [..., Hq, Sq]
+                           .template Ret<ffi::AnyBuffer>()                             // dq
+                           .template Ret<ffi::AnyBuffer>()                             // dk
+                           .template Ret<ffi::AnyBuffer>()                             // dv
+                           .template Ret<ffi::Buffer<ffi::F32>>()     // dq_accum [..., Sq, Hq, D] (workspace)
+                           .template Ret<ffi::Buffer<ffi::F32>>())    // delta    [..., Hq, Sq]    (workspace)
+      .template Attr<bool>("deterministic");
+}
+
+// The CUDA kernels do not implement segment ids, lengths, softcap, sliding windows or the top-left
+// diagonal yet (the CPU kernel does): say so rather than compute something else.
+inline ffi::Error CheckCudaMaskSupported(const char* target, const MaskAttrs& a, float softcap) {
+  const bool plain = !a.use_segment_ids && !a.use_lengths && softcap == 0.f && a.window_left == -1 &&
+                     (a.window_right == -1 || a.window_right == 0) && a.bottom_right;
+  if (plain) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    std::string(target) + ": the CUDA kernel supports no mask but the bottom-right causal one yet "
+                                          "(segment ids, lengths, softcap and windows run on the CPU kernel)");
+}
+
+inline ffi::Error CheckSoftcap(const char* target, float softcap) {
+  if (!(softcap >= 0.f) || softcap == INFINITY)
+    return Invalid(target, "softcap must be finite and >= 0 (0: off); got " + std::to_string(softcap));
+  return ffi::Error::Success();
 }
 
 }  // namespace jaxflash

@@ -31,8 +31,11 @@ ffi::Error CheckHeadDim(const char* target, int64_t d) {
   return ffi::Error::Success();
 }
 
-ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> o,
-                   ffi::ResultBuffer<ffi::F32> lse, float scale, bool causal) {
+ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
+                   ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse, float scale, float softcap,
+                   int64_t window_left, int64_t window_right, bool bottom_right, bool use_segment_ids,
+                   bool use_lengths) {
   constexpr const char* kTarget = "jaxflash_fwd";
   FwdParams p;
   if (auto e = ParseDims(kTarget, q, k, v, &p.dims); e.failure()) return e;
@@ -42,6 +45,10 @@ ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Re
   if (auto e = CheckShape(kTarget, "o", o->dimensions(), q.dimensions()); e.failure()) return e;
   if (auto e = CheckShape(kTarget, "lse", lse->dimensions(), StatShape(q.dimensions())); e.failure()) return e;
   if (o->element_type() != q.element_type()) return Invalid(kTarget, "o must have q's dtype");
+  if (auto e = CheckSoftcap(kTarget, softcap); e.failure()) return e;
+  const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
+  if (auto e = ParseMask(kTarget, q.dimensions(), p.dims, q_seg, kv_seg, q_len, kv_len, attrs, &p.mask); e.failure())
+    return e;
   if (q.element_count() == 0) return ffi::Error::Success();
   if (p.dims.seqlen_k == 0) {  // nothing to attend to: O = 0, LSE = -inf
     std::memset(o->untyped_data(), 0, o->size_bytes());
@@ -54,15 +61,18 @@ ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Re
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   p.scale = scale;
-  p.mask = CausalMask(p.dims, causal);
+  p.softcap = softcap;
   cpu::Forward(p, dtype);
   return ffi::Error::Success();
 }
 
 ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
-                   ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                   ffi::Result<ffi::AnyBuffer> dv, ffi::ResultBuffer<ffi::F32> dq_accum,
-                   ffi::ResultBuffer<ffi::F32> delta, float scale, bool causal, bool /*deterministic*/) {
+                   ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_seg,
+                   ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::ResultBuffer<ffi::F32> dq_accum, ffi::ResultBuffer<ffi::F32> delta, float scale,
+                   float softcap, int64_t window_left, int64_t window_right, bool bottom_right, bool use_segment_ids,
+                   bool use_lengths, bool /*deterministic*/) {
   // The CPU backward pass never uses atomics, so it is deterministic whatever `deterministic` says.
   constexpr const char* kTarget = "jaxflash_bwd";
   BwdParams p;
@@ -82,6 +92,10 @@ ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (auto e = CheckShape(kTarget, "delta", delta->dimensions(), stat); e.failure()) return e;
   for (auto t : {dout.element_type(), o.element_type(), dq->element_type(), dk->element_type(), dv->element_type()})
     if (t != q.element_type()) return Invalid(kTarget, "do, o, dq, dk and dv must have q's dtype");
+  if (auto e = CheckSoftcap(kTarget, softcap); e.failure()) return e;
+  const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
+  if (auto e = ParseMask(kTarget, q.dimensions(), p.dims, q_seg, kv_seg, q_len, kv_len, attrs, &p.mask); e.failure())
+    return e;
   // Every output is written even when a length is 0 (zero gradients), so no caller sees garbage.
   std::memset(dq->untyped_data(), 0, dq->size_bytes());
   std::memset(dk->untyped_data(), 0, dk->size_bytes());
@@ -102,7 +116,7 @@ ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.dq_accum = dq_accum->typed_data();
   p.delta = delta->typed_data();
   p.scale = scale;
-  p.mask = CausalMask(p.dims, causal);
+  p.softcap = softcap;
   cpu::Backward(p, dtype);
   return ffi::Error::Success();
 }
@@ -112,33 +126,8 @@ ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Ret<ffi::AnyBuffer>()  // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // do
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dlse
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq_accum (workspace)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // delta (workspace)
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("deterministic"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdImpl, jaxflash::BindFwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl, jaxflash::BindBwd(ffi::Ffi::Bind()));
 
 NB_MODULE(_jaxflash_cpu, m) {
   m.def("registrations", [] {

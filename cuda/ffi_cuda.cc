@@ -40,9 +40,17 @@ struct LaunchFwd {
 };
 
 ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse, float scale, bool causal) {
+                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
+                   ffi::Buffer<ffi::S32> kv_len, ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse,
+                   float scale, float softcap, int64_t window_left, int64_t window_right, bool bottom_right,
+                   bool use_segment_ids, bool use_lengths) {
   FwdParams p;
   if (auto e = ParseDims(kFwdTarget, q, k, v, &p.dims); e.failure()) return e;
+  const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
+  if (auto e = CheckCudaMaskSupported(kFwdTarget, attrs, softcap); e.failure()) return e;
+  if (auto e = ParseMask(kFwdTarget, q.dimensions(), p.dims, q_seg, kv_seg, q_len, kv_len, attrs, &p.mask);
+      e.failure())
+    return e;
   if (auto e = CheckShape(kFwdTarget, "o", o->dimensions(), q.dimensions()); e.failure()) return e;
   if (auto e = CheckShape(kFwdTarget, "lse", lse->dimensions(), StatShape(q.dimensions())); e.failure()) return e;
   if (o->element_type() != q.element_type())
@@ -58,7 +66,6 @@ ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   p.o = o->untyped_data();
   p.lse = lse->typed_data();
   p.scale = scale;
-  p.mask = CausalMask(p.dims, causal);
   // Dispatch even for empty tensors, so that an unsupported dtype or head dim is always reported.
   return Dispatch(kFwdTarget, q.element_type(), p.dims.head_dim,
                   LaunchFwd{p, stream, device, q.element_count() == 0});
@@ -68,16 +75,9 @@ ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
 }  // namespace jaxflash
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCuda, jaxflash::FwdCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
-                                  .Arg<xla::ffi::AnyBuffer>()  // k   [..., Sk, Hk, D]
-                                  .Arg<xla::ffi::AnyBuffer>()  // v   [..., Sk, Hk, D]
-                                  .Ret<xla::ffi::AnyBuffer>()  // o   [..., Sq, Hq, D]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // lse [..., Hq, Sq]
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal"));
+                              jaxflash::BindFwd(xla::ffi::Ffi::Bind()
+                                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                    .Ctx<xla::ffi::DeviceOrdinal>()));
 
 extern "C" XLA_FFI_Error* JaxflashBwdCuda(XLA_FFI_CallFrame* call_frame);  // ffi_cuda_bwd.cc
 

@@ -48,11 +48,19 @@ ffi::Error ZeroFill(cudaStream_t stream, void* ptr, size_t bytes) {
 
 ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
                    ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
-                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                   ffi::ResultBuffer<ffi::F32> dq_accum, ffi::ResultBuffer<ffi::F32> delta, float scale, bool causal,
+                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
+                   ffi::Buffer<ffi::S32> kv_len, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::ResultBuffer<ffi::F32> dq_accum,
+                   ffi::ResultBuffer<ffi::F32> delta, float scale, float softcap, int64_t window_left,
+                   int64_t window_right, bool bottom_right, bool use_segment_ids, bool use_lengths,
                    bool deterministic) {
   BwdParams p;
   if (auto e = ParseDims(kBwdTarget, q, k, v, &p.dims); e.failure()) return e;
+  const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
+  if (auto e = CheckCudaMaskSupported(kBwdTarget, attrs, softcap); e.failure()) return e;
+  if (auto e = ParseMask(kBwdTarget, q.dimensions(), p.dims, q_seg, kv_seg, q_len, kv_len, attrs, &p.mask);
+      e.failure())
+    return e;
   const auto stat = StatShape(q.dimensions());
   if (auto e = CheckShape(kBwdTarget, "do", dout.dimensions(), q.dimensions()); e.failure()) return e;
   if (auto e = CheckShape(kBwdTarget, "o", o.dimensions(), q.dimensions()); e.failure()) return e;
@@ -101,7 +109,6 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
   p.dq_accum = dq_accum->typed_data();
   p.delta = delta->typed_data();
   p.scale = scale;
-  p.mask = CausalMask(p.dims, causal);
   return Dispatch(kBwdTarget, q.element_type(), p.dims.head_dim, LaunchBwd{p, deterministic, stream, device});
 }
 
@@ -109,21 +116,6 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
 }  // namespace jaxflash
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCuda, jaxflash::BwdCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // do  [..., Sq, Hq, D]
-                                  .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
-                                  .Arg<xla::ffi::AnyBuffer>()  // k   [..., Sk, Hk, D]
-                                  .Arg<xla::ffi::AnyBuffer>()  // v   [..., Sk, Hk, D]
-                                  .Arg<xla::ffi::AnyBuffer>()  // o   [..., Sq, Hq, D]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lse  [..., Hq, Sq]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dlse [..., Hq, Sq]
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq  [..., Sq, Hq, D]
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk  [..., Sk, Hk, D]
-                                  .Ret<xla::ffi::AnyBuffer>()  // dv  [..., Sk, Hk, D]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dq_accum [..., Sq, Hq, D] (workspace)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // delta    [..., Hq, Sq]    (workspace)
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("deterministic"));
+                              jaxflash::BindBwd(xla::ffi::Ffi::Bind()
+                                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                    .Ctx<xla::ffi::DeviceOrdinal>()));

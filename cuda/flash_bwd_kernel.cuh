@@ -38,20 +38,6 @@ namespace jaxflash {
 
 using namespace cute;
 
-// Query rows i in [0, seqlen_q) that can see some key of [key_begin, key_end), as [*row_begin, *row_end)
-// (empty when row_begin >= row_end): the inverse of mask.h's visible_key_range for a band mask, so a K/V
-// block skips the query blocks that see none of it.
-__host__ __device__ __forceinline__ void visible_query_range(const MaskParams& m, int64_t key_begin, int64_t key_end,
-                                                             int64_t seqlen_q, int64_t* row_begin, int64_t* row_end) {
-  int64_t lo = 0, hi = seqlen_q;
-  if (m.window_right >= 0) lo = key_begin - m.diag_offset - m.window_right;     // j <= i + off + r
-  if (m.window_left >= 0) hi = (key_end - 1) - m.diag_offset + m.window_left + 1;  // j >= i + off - l
-  lo = lo < 0 ? 0 : lo;
-  hi = hi > seqlen_q ? seqlen_q : hi;
-  *row_begin = lo;
-  *row_end = hi;
-}
-
 template <class Element_, int kHeadDim_>
 struct BwdTraits {
   using Element = Element_;

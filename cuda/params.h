@@ -13,14 +13,20 @@
 
 namespace jaxflash {
 
-// Which (query i, key j) pairs are visible. With c = i + diag_offset (diag_offset = Sk - Sq is the
-// bottom-right alignment FlashAttention uses), j is visible iff
-//   c - window_left <= j <= c + window_right,
-// where a negative side is unbounded. causal is window_right = 0. The predicate itself lives in mask.h.
+// Which (query i, key j) pairs of batch element b are visible. With c = i + diag_offset (Sk - Sq is the
+// bottom-right alignment FlashAttention uses, 0 the top-left one of jax.nn), j is visible iff
+//   c - window_left <= j <= c + window_right   (a negative side is unbounded; causal is window_right = 0)
+//   and j < kv_lengths[b] and i < q_lengths[b]  (when given; rows past q_lengths see nothing)
+//   and q_segment_ids[b, i] == kv_segment_ids[b, j]  (when given).
+// The predicate itself lives in mask.h.
 struct MaskParams {
   int64_t diag_offset = 0;
   int64_t window_left = -1;
   int64_t window_right = -1;
+  const int32_t* q_segment_ids = nullptr;   // [batch, seqlen_q], or null
+  const int32_t* kv_segment_ids = nullptr;  // [batch, seqlen_k], or null
+  const int32_t* q_lengths = nullptr;       // [batch], or null: every row is valid
+  const int32_t* kv_lengths = nullptr;      // [batch], or null: every key is valid
 };
 
 struct AttnDims {
@@ -47,6 +53,7 @@ struct FwdParams {
   void* o = nullptr;
   float* lse = nullptr;
   float scale = 1.0f;
+  float softcap = 0.0f;  // > 0: scores become softcap * tanh(scores / softcap) before the softmax
   MaskParams mask;
 };
 
@@ -65,6 +72,7 @@ struct BwdParams {
   float* dq_accum = nullptr;  // workspace, an FFI output
   float* delta = nullptr;     // rowsum(dO * O) - dlse, an FFI output
   float scale = 1.0f;
+  float softcap = 0.0f;
   MaskParams mask;
 };
 

@@ -1,4 +1,4 @@
-"""The AD rule: forward saves (q, k, v, o, lse); backward calls the backward kernel."""
+"""The AD rule: forward saves (q, k, v, o, lse) and the mask arrays; backward calls the backward kernel."""
 from __future__ import annotations
 
 import functools
@@ -6,35 +6,36 @@ from typing import NamedTuple
 
 import jax
 
-from . import _ffi, reference
+from . import _ffi
 
 
 class Config(NamedTuple):
-    """Static (hashable) options of one attention call."""
+    """Static (hashable) options of one attention call; the mask arrays travel as operands."""
     scale: float
-    causal: bool
+    softcap: float        # 0: off
+    window_left: int      # -1: unbounded
+    window_right: int     # -1: unbounded; causal is 0
+    bottom_right: bool    # causal diagonal at Sk - Sq (FlashAttention) rather than 0 (jax.nn)
+    segment_ids: bool     # the segment-id operands are meaningful
+    lengths: bool         # the length operands are meaningful
     deterministic: bool   # backward without atomics: bitwise-reproducible gradients
-    reference_bwd: bool  # GPU only, until the CUDA backward kernel lands: VJP of the reference
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def flash(q, k, v, cfg: Config):
-    return _ffi.fwd(q, k, v, scale=cfg.scale, causal=cfg.causal)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def flash(q, k, v, mask_arrays, cfg: Config):
+    return _ffi.fwd(q, k, v, mask_arrays, cfg)
 
 
-def _fwd(q, k, v, cfg):
-    o, lse = _ffi.fwd(q, k, v, scale=cfg.scale, causal=cfg.causal)
-    return (o, lse), (q, k, v, o, lse)
+def _fwd(q, k, v, mask_arrays, cfg):
+    o, lse = _ffi.fwd(q, k, v, mask_arrays, cfg)
+    return (o, lse), (q, k, v, o, lse, mask_arrays)
 
 
 def _bwd(cfg, res, cotangents):
     do, dlse = cotangents
-    q, k, v, o, lse = res
-    if cfg.reference_bwd:
-        _, vjp = jax.vjp(
-            lambda q, k, v: reference.attention_with_lse(q, k, v, causal=cfg.causal, scale=cfg.scale), q, k, v)
-        return vjp((do, dlse))
-    return _ffi.bwd(do, q, k, v, o, lse, dlse, scale=cfg.scale, causal=cfg.causal, deterministic=cfg.deterministic)
+    q, k, v, o, lse, mask_arrays = res
+    no_grad = tuple(None for _ in mask_arrays)  # integer operands: zero cotangents
+    return (*_ffi.bwd(do, q, k, v, o, lse, dlse, mask_arrays, cfg), no_grad)
 
 
 flash.defvjp(_fwd, _bwd)

@@ -15,8 +15,9 @@ BACKENDS = (None, "cpu", "cuda", "reference")
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def attention(query, key, value, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
-              deterministic: bool = False, backend: str | None = None):
+def attention(query, key, value, *, causal: bool = False, window=None, q_segment_ids=None, kv_segment_ids=None,
+              q_lengths=None, kv_lengths=None, softcap: float | None = None, scale: float | None = None,
+              return_lse: bool = False, deterministic: bool = False, backend: str | None = None):
     """FlashAttention-2: softmax(scale * Q K^T) V without materialising the score matrix.
 
     Args:
@@ -31,9 +32,17 @@ def attention(query, key, value, *, causal: bool = False, scale: float | None = 
             q2  x x x x x
 
         A query row that sees no key (possible when Sq > Sk) returns 0 and LSE ``-inf``, never NaN.
+      window: ``(left, right)``: query ``i`` sees key ``j`` iff ``c - left <= j <= c + right`` with
+        ``c = i + (Sk - Sq)`` the causal diagonal; ``None`` or ``-1`` leaves a side unbounded. Combines
+        with ``causal`` (``causal=True`` is ``window=(None, 0)``).
+      q_segment_ids, kv_segment_ids: int ``[..., Sq]`` and ``[..., Sk]``, given together: a query sees a
+        key only when their ids are equal (packed documents).
+      q_lengths, kv_lengths: int ``[...]`` (one per batch element): keys at or past ``kv_lengths`` are
+        invisible; query rows at or past ``q_lengths`` return 0 (LSE ``-inf``) and get zero gradients.
+      softcap: ``c > 0``: scores become ``c * tanh(s / c)`` before the softmax (exact backward).
       scale: multiplies the scores; defaults to ``1 / sqrt(D)``. Must be finite and positive.
-      return_lse: also return the log-sum-exp of the scaled scores, ``[..., Hq, Sq]`` float32 (natural
-        log). It is differentiable.
+      return_lse: also return the log-sum-exp of the (capped, masked) scores, ``[..., Hq, Sq]`` float32
+        (natural log). It is differentiable.
       deterministic: make the backward pass bitwise reproducible run to run. The CUDA backward kernel
         otherwise accumulates dQ with atomics, whose order varies; the CPU kernel is always deterministic.
       backend: ``None`` runs the FFI kernel of the platform the computation is placed on (the CUDA kernel
@@ -46,23 +55,49 @@ def attention(query, key, value, *, causal: bool = False, scale: float | None = 
     Dtypes: float32, bfloat16 and float16 on the CPU; bfloat16 and float16 on a GPU. Accumulation is
     float32. Gradients come from the FlashAttention-2 backward kernel, not from autodiff of the reference.
     """
+    return _attention(query, key, value, causal=causal, window=window, q_segment_ids=q_segment_ids,
+                      kv_segment_ids=kv_segment_ids, q_lengths=q_lengths, kv_lengths=kv_lengths, softcap=softcap,
+                      scale=scale, return_lse=return_lse, deterministic=deterministic, backend=backend,
+                      bottom_right=True)
+
+
+def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
+               softcap, scale, return_lse, deterministic, backend, bottom_right):
+    """`attention` with the causal diagonal's alignment as a parameter (bottom_right=False: jax.nn's
+    top-left alignment, for the drop-in)."""
     _check_arrays(query, key, value)
     causal = _check_bool("causal", causal)
     return_lse = _check_bool("return_lse", return_lse)
     deterministic = _check_bool("deterministic", deterministic)
     scale = _check_scale(scale, query.shape[-1])
+    softcap = _check_softcap(softcap)
+    left, right = _check_window(window, causal)
+    lead, sq, sk = query.shape[:-3], query.shape[-3], key.shape[-3]
+    seg = _check_segment_ids(q_segment_ids, kv_segment_ids, lead, sq, sk)
+    lengths = _check_lengths(q_lengths, kv_lengths, lead, sq, sk)
     backend = _resolve_backend(backend, query)
+    if backend == "cuda" and (seg or lengths or softcap or left >= 0 or right > 0 or not bottom_right):
+        _fail(NotImplementedError, "the CUDA kernels support no mask but causal=True yet; segment ids, lengths, "
+                                   "softcap and windows run on the CPU kernel (inputs on the CPU) or with "
+                                   "backend='reference'")
 
     if backend == "reference":
-        out, lse = reference.attention_with_lse(query, key, value, causal=causal, scale=scale)
+        out, lse = reference.attention_with_lse(
+            query, key, value, scale=scale, softcap=softcap or None, window=(left, right), bottom_right=bottom_right,
+            q_segment_ids=seg[0] if seg else None, kv_segment_ids=seg[1] if seg else None,
+            q_lengths=lengths[0] if lengths else None, kv_lengths=lengths[1] if lengths else None)
     elif 0 in query.shape or 0 in key.shape:
         # Nothing to compute (or nothing to attend to): zeros and -inf, without launching a kernel.
         out = jnp.zeros(query.shape, query.dtype)
-        lse = jnp.full(query.shape[:-3] + (query.shape[-2], query.shape[-3]), -jnp.inf, jnp.float32)
+        lse = jnp.full(lead + (query.shape[-2], sq), -jnp.inf, jnp.float32)
     else:
-        cfg = _vjp.Config(scale=scale, causal=causal, deterministic=deterministic,
-                          reference_bwd=backend == "cuda" and not _ffi.cuda_has_bwd())
-        out, lse = _vjp.flash(query, key, value, cfg)
+        # Unused mask operands are placeholders of the right shapes (the kernels ignore them by flag).
+        seg_ops = seg or (jnp.zeros(lead + (sq,), jnp.int32), jnp.zeros(lead + (sk,), jnp.int32))
+        len_ops = lengths or (jnp.full(lead, sq, jnp.int32), jnp.full(lead, sk, jnp.int32))
+        cfg = _vjp.Config(scale=scale, softcap=softcap, window_left=left, window_right=right,
+                          bottom_right=bottom_right, segment_ids=seg is not None, lengths=lengths is not None,
+                          deterministic=deterministic)
+        out, lse = _vjp.flash(query, key, value, (*seg_ops, *len_ops), cfg)
     return (out, lse) if return_lse else out
 
 
@@ -122,6 +157,77 @@ def _check_scale(scale, head_dim):
     if not math.isfinite(value) or value <= 0:
         _fail(ValueError, f"scale must be finite and positive; got {scale!r}")
     return value
+
+
+def _check_softcap(softcap) -> float:
+    """0.0 when off."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, jax.core.Tracer):
+        _fail(TypeError, "softcap must be a static Python number, not a traced value")
+    try:
+        value = float(softcap)
+    except (TypeError, ValueError):
+        _fail(TypeError, f"softcap must be a number; got {softcap!r}")
+    if not math.isfinite(value) or value <= 0:
+        _fail(ValueError, f"softcap must be finite and positive (None: off); got {softcap!r}")
+    return value
+
+
+def _check_window(window, causal):
+    """(left, right) with -1 for an unbounded side; causal caps right at 0."""
+    if window is None:
+        left, right = -1, -1
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            _fail(ValueError, f"window must be a pair (left, right); got {window!r}")
+        sides = []
+        for name, w in zip(("left", "right"), window):
+            if w is None:
+                w = -1
+            if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
+                _fail(TypeError, f"window {name} side must be an int or None; got {w!r}")
+            if w < -1:
+                _fail(ValueError, f"window {name} side must be >= -1 (-1 or None: unbounded); got {int(w)}")
+            sides.append(int(w))
+        left, right = sides
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _int_array(name, x, shape):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        x = np.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        _fail(TypeError, f"{name} must have an integer dtype; got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        _fail(ValueError, f"{name} must have shape {tuple(shape)}; got {tuple(x.shape)}")
+    return jnp.asarray(x, jnp.int32)
+
+
+def _check_segment_ids(q_ids, kv_ids, lead, sq, sk):
+    if (q_ids is None) != (kv_ids is None):
+        given = "q_segment_ids" if kv_ids is None else "kv_segment_ids"
+        _fail(ValueError, f"q_segment_ids and kv_segment_ids must be given together; got only {given}")
+    if q_ids is None:
+        return None
+    return _int_array("q_segment_ids", q_ids, lead + (sq,)), _int_array("kv_segment_ids", kv_ids, lead + (sk,))
+
+
+def _check_lengths(q_lengths, kv_lengths, lead, sq, sk):
+    """(q_lengths, kv_lengths) as int32 [...], a missing one filled with the full length; None if neither."""
+    if q_lengths is None and kv_lengths is None:
+        return None
+    out = []
+    for name, x, full in (("q_lengths", q_lengths, sq), ("kv_lengths", kv_lengths, sk)):
+        if x is None:
+            out.append(jnp.full(lead, full, jnp.int32))
+            continue
+        if not isinstance(x, jax.core.Tracer) and np.size(x) and np.min(np.asarray(x)) < 0:  # checkable values
+            _fail(ValueError, f"{name} must be >= 0; got {int(np.min(np.asarray(x)))}")
+        out.append(_int_array(name, x, lead))
+    return tuple(out)
 
 
 def _platform(x) -> str:

@@ -4,19 +4,37 @@ from __future__ import annotations
 import numpy as np
 
 
-def visible_mask(sq: int, sk: int, causal: bool) -> np.ndarray:
-    """[sq, sk] bool: query i sees key j iff j <= i + (sk - sq) when causal (bottom-right aligned)."""
-    if not causal:
-        return np.ones((sq, sk), bool)
+def visible_mask(sq: int, sk: int, causal: bool = False, *, window=None, bottom_right=True, q_segment_ids=None,
+                 kv_segment_ids=None, q_lengths=None, kv_lengths=None) -> np.ndarray:
+    """Bool [..., 1, Sq, Sk]: query i sees key j iff c - left <= j <= c + right, c = i + (sk - sq) (bottom
+    right) or i (top left), a negative side unbounded, causal meaning right = min(right, 0); segment ids
+    equal; j < kv_lengths; i < q_lengths."""
+    left, right = (-1, -1) if window is None else (-1 if w is None else w for w in window)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    return j <= i + (sk - sq)
+    c = i + (sk - sq if bottom_right else 0)
+    mask = np.ones((1, sq, sk), bool)
+    if right >= 0:
+        mask &= (j <= c + right)[None]
+    if left >= 0:
+        mask &= (j >= c - left)[None]
+    if q_segment_ids is not None:
+        qs, ks = np.asarray(q_segment_ids), np.asarray(kv_segment_ids)
+        mask = mask & (qs[..., None, :, None] == ks[..., None, None, :])
+    if kv_lengths is not None:
+        mask = mask & (j < np.asarray(kv_lengths)[..., None, None, None])
+    if q_lengths is not None:
+        mask = mask & (i < np.asarray(q_lengths)[..., None, None, None])
+    return mask
 
 
-def attention(q, k, v, *, causal=False, scale=None, do=None):
+def attention(q, k, v, *, causal=False, scale=None, do=None, softcap=None, **mask_kwargs):
     """q [..., Sq, Hq, D], k/v [..., Sk, Hk, D] -> (o, lse) and, when `do` is given, (dq, dk, dv).
 
-    All math in float64. Rows that see no key give o = 0, lse = -inf, zero gradients."""
+    All math in float64. Rows that see no key give o = 0, lse = -inf, zero gradients. `mask_kwargs`: the
+    keywords of `visible_mask` (window, bottom_right, segment ids, lengths)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
@@ -27,7 +45,11 @@ def attention(q, k, v, *, causal=False, scale=None, do=None):
     kt = np.swapaxes(np.repeat(k, g, axis=-2), -2, -3)
     vt = np.swapaxes(np.repeat(v, g, axis=-2), -2, -3)
     s = (qt @ np.swapaxes(kt, -1, -2)) * scale
-    mask = visible_mask(q.shape[-3], k.shape[-3], causal)
+    t = None
+    if softcap:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    mask = visible_mask(q.shape[-3], k.shape[-3], causal, **mask_kwargs)
     s = np.where(mask, s, -np.inf)
     m = s.max(-1, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -42,6 +64,8 @@ def attention(q, k, v, *, causal=False, scale=None, do=None):
     dot = np.swapaxes(np.asarray(do, np.float64), -2, -3)
     dp = dot @ np.swapaxes(vt, -1, -2)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    if t is not None:
+        ds = ds * (1 - t * t)
     dq = np.swapaxes(ds @ kt, -2, -3) * scale
     dkr = np.swapaxes(np.swapaxes(ds, -1, -2) @ qt, -2, -3) * scale  # [..., Sk, Hq, D]
     dvr = np.swapaxes(np.swapaxes(p, -1, -2) @ dot, -2, -3)

@@ -40,6 +40,26 @@ CASES = [
     ("return_lse not bool", (Q, K, K), {"return_lse": "yes"}, TypeError, r"return_lse must be a Python bool"),
     ("deterministic not bool", (Q, K, K), {"deterministic": None}, TypeError,
      r"deterministic must be a Python bool; got None"),
+    ("window not a pair", (Q, K, K), {"window": 3}, ValueError, r"window must be a pair \(left, right\); got 3"),
+    ("window side float", (Q, K, K), {"window": (1.5, 0)}, TypeError, r"window left side must be an int or None; "
+                                                                       r"got 1.5"),
+    ("window side -2", (Q, K, K), {"window": (4, -2)}, ValueError, r"window right side must be >= -1 .*got -2"),
+    ("softcap zero", (Q, K, K), {"softcap": 0.0}, ValueError, r"softcap must be finite and positive .*got 0.0"),
+    ("softcap negative", (Q, K, K), {"softcap": -3}, ValueError, r"softcap must be finite and positive .*got -3"),
+    ("softcap string", (Q, K, K), {"softcap": "x"}, TypeError, r"softcap must be a number; got 'x'"),
+    ("only q segment ids", (Q, K, K), {"q_segment_ids": jnp.zeros((2, 8), jnp.int32)}, ValueError,
+     r"given together; got only q_segment_ids"),
+    ("only kv segment ids", (Q, K, K), {"kv_segment_ids": jnp.zeros((2, 8), jnp.int32)}, ValueError,
+     r"given together; got only kv_segment_ids"),
+    ("segment ids shape", (Q, K, K), {"q_segment_ids": jnp.zeros((2, 7), jnp.int32),
+                                      "kv_segment_ids": jnp.zeros((2, 8), jnp.int32)}, ValueError,
+     r"q_segment_ids must have shape \(2, 8\); got \(2, 7\)"),
+    ("segment ids dtype", (Q, K, K), {"q_segment_ids": jnp.zeros((2, 8)), "kv_segment_ids": jnp.zeros((2, 8))},
+     TypeError, r"q_segment_ids must have an integer dtype; got float32"),
+    ("lengths shape", (Q, K, K), {"kv_lengths": jnp.zeros((2, 1), jnp.int32)}, ValueError,
+     r"kv_lengths must have shape \(2,\); got \(2, 1\)"),
+    ("negative lengths", (Q, K, K), {"q_lengths": jnp.array([3, -1], jnp.int32)}, ValueError,
+     r"q_lengths must be >= 0; got -1"),
     ("backend", (Q, K, K), {"backend": "tpu"}, ValueError, r"backend must be one of .*got 'tpu'"),
 ]
 
@@ -72,18 +92,35 @@ def test_errors_raise_at_trace_time_under_jit():
         jax.jit(lambda q, k: jaxflash.attention(q, k, k)).lower(Q, arr(2, 8, 3, 16))
 
 
-# The handlers re-check what the Python layer already checked: a direct FFI call with bad shapes must
-# come back as an error, never a crash.
-@pytest.mark.parametrize("q,k,v,match", [
-    (arr(2, 8, 4, 16), arr(2, 8, 3, 16), arr(2, 8, 3, 16), "query heads must be a multiple"),
-    (arr(2, 8, 4, 300), arr(2, 8, 4, 300), arr(2, 8, 4, 300), r"head dim must be in \[1, 256\]; got 300"),
-    (arr(2, 8, 4, 16), arr(3, 8, 4, 16), arr(3, 8, 4, 16), "share leading dims"),
-    (arr(8, 16), arr(8, 16), arr(8, 16), "rank >= 3"),
-    (arr(2, 8, 4, 16, dtype=jnp.int32),) * 3 + ("dtype must be float32, bfloat16 or float16",),
-])
-def test_handler_rejects_bad_shapes(q, k, v, match):
+# The handlers re-check what the Python layer already checked: a direct FFI call with bad shapes or
+# attributes must come back as an error, never a crash.
+def raw_fwd(q, k, v, *, seg=None, lengths=None, **attrs):
+    lead = q.shape[:-3] if q.ndim >= 3 else ()
+    sq = q.shape[-3] if q.ndim >= 3 else 1
+    sk = k.shape[-3] if k.ndim >= 3 else 1
+    seg = seg or (jnp.zeros(lead + (sq,), jnp.int32), jnp.zeros(lead + (sk,), jnp.int32))
+    lengths = lengths or (jnp.zeros(lead, jnp.int32), jnp.zeros(lead, jnp.int32))
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct(q.shape[:-3] + (q.shape[-2], q.shape[-3]) if q.ndim >= 3 else (1,), jnp.float32))
-    call = jax.ffi.ffi_call("jaxflash_fwd", out_types)
+                 jax.ShapeDtypeStruct(lead + (q.shape[-2], sq) if q.ndim >= 3 else (1,), jnp.float32))
+    kw = dict(scale=np.float32(1.0), softcap=np.float32(0.0), window_left=-1, window_right=-1, bottom_right=True,
+              segment_ids=False, lengths=False)
+    kw.update(attrs)
+    return jax.block_until_ready(jax.ffi.ffi_call("jaxflash_fwd", out_types)(q, k, v, *seg, *lengths, **kw))
+
+
+@pytest.mark.parametrize("q,k,v,kwargs,match", [
+    (arr(2, 8, 4, 16), arr(2, 8, 3, 16), arr(2, 8, 3, 16), {}, "query heads must be a multiple"),
+    (arr(2, 8, 4, 300), arr(2, 8, 4, 300), arr(2, 8, 4, 300), {}, r"head dim must be in \[1, 256\]; got 300"),
+    (arr(2, 8, 4, 16), arr(3, 8, 4, 16), arr(3, 8, 4, 16), {}, "share leading dims"),
+    (arr(8, 16), arr(8, 16), arr(8, 16), {}, "rank >= 3"),
+    (arr(2, 8, 4, 16, dtype=jnp.int32),) * 3 + ({}, "dtype must be float32, bfloat16 or float16"),
+    (Q, K, K, {"window_left": -2}, r"window sides must be >= -1; got \(-2, -1\)"),
+    (Q, K, K, {"softcap": np.float32(-1)}, "softcap must be finite and >= 0"),
+    (Q, K, K, {"seg": (jnp.zeros((2, 7), jnp.int32), jnp.zeros((2, 8), jnp.int32))},
+     r"q_segment_ids must have shape \[2, 8\]; got \[2, 7\]"),
+    (Q, K, K, {"lengths": (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32))},
+     r"q_lengths must have shape \[2\]; got \[3\]"),
+])
+def test_handler_rejects_bad_input(q, k, v, kwargs, match):
     with pytest.raises(Exception, match="jaxflash_fwd: .*" + match):
-        jax.block_until_ready(call(q, k, v, scale=np.float32(1.0), causal=False))
+        raw_fwd(q, k, v, **kwargs)

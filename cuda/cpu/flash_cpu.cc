@@ -206,14 +206,30 @@ void Transpose(Tile& src, int64_t rows, int64_t cols, Tile& dst) {
     for (int64_t c = 0; c < cols; ++c) dst.row(c)[r] = src.row(r)[c];
 }
 
-// Scores of one tile: S = Q K^T (K given transposed), -inf where the mask hides (i, j).
+// Scores of one tile: S = Q K^T (K given transposed), soft-capped when softcap > 0, -inf where the mask
+// hides (i, j). `full`: the whole tile is visible, the predicate is skipped.
 void Scores(Tile& q, Tile& kt, int64_t rows, int64_t cols, int64_t d, int64_t row0, int64_t col0,
-            const MaskParams& mask, bool full, Tile& s) {
+            const BatchMask& mask, bool full, float softcap, Tile& s) {
   Gemm(q.ptr(), q.ld, kt.ptr(), kt.ld, s.ptr(), s.ld, rows, cols, d, false);
+  if (softcap > 0.f)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) s.row(r)[c] = softcap_score(s.row(r)[c], softcap);
   if (full) return;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c)
       if (!is_visible(mask, row0 + r, col0 + c)) s.row(r)[c] = kNegInf;
+}
+
+// Rows [row0, row0 + rows) clipped to the element's valid rows (those below q_len); may be empty.
+int64_t ValidRows(const BatchMask& mask, int64_t row0, int64_t rows) {
+  return std::clamp<int64_t>(mask.q_len - row0, 0, rows);
+}
+
+// False when segment ids prove that no row of the block [row0, row0 + rows) meets a key of
+// [col0, col0 + cols): the block is skipped.
+bool SegmentsMeet(const BatchMask& mask, int64_t row0, int64_t rows, int64_t col0, int64_t cols) {
+  if (mask.q_seg == nullptr) return true;
+  return ranges_meet(id_range(mask.q_seg, row0, row0 + rows), id_range(mask.kv_seg, col0, col0 + cols));
 }
 
 struct Tiles {
@@ -259,25 +275,28 @@ void ForwardImpl(const FwdParams& p) {
     const int64_t b = item / (tiles.num_q_blocks * dm.heads_q);
     const int64_t hk = h / group;
     const int64_t row0 = qb * br, rows = std::min(br, dm.seqlen_q - row0);
+    const BatchMask mask = batch_mask(p.mask, b, dm.seqlen_q, dm.seqlen_k);
+    const int64_t valid = ValidRows(mask, row0, rows);  // rows past q_len keep l = 0: O = 0, LSE = -inf
     const T* qp = q + b * dm.q_batch_stride() + row0 * dm.q_row_stride() + h * D;
     const T* kp = k + b * dm.k_batch_stride() + hk * D;
     const T* vp = v + b * dm.k_batch_stride() + hk * D;
 
-    LoadTile(tag, qp, rows, D, dm.q_row_stride(), p.scale, w.q);  // scale folded into Q once
+    LoadTile(tag, qp, valid, D, dm.q_row_stride(), p.scale, w.q);  // scale folded into Q once
     std::fill(w.o.data.begin(), w.o.data.end(), 0.f);
     std::fill(w.m.begin(), w.m.end(), kNegInf);
     std::fill(w.l.begin(), w.l.end(), 0.f);
 
     int64_t key_begin, key_end;
-    visible_key_range(p.mask, row0, row0 + rows, dm.seqlen_k, &key_begin, &key_end);
+    visible_key_range(mask, row0, row0 + valid, &key_begin, &key_end);
     for (int64_t col0 = key_begin; col0 < key_end; col0 += bc) {  // fully masked blocks never visited
       const int64_t cols = std::min(bc, key_end - col0);
+      if (!SegmentsMeet(mask, row0, valid, col0, cols)) continue;
       LoadTileT(tag, kp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), w.kt);
       LoadTile(tag, vp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), 1.f, w.v);
-      const bool full = block_fully_visible(p.mask, row0, row0 + rows, col0, col0 + cols);
-      Scores(w.q, w.kt, rows, cols, D, row0, col0, p.mask, full, w.s);
+      const bool full = block_fully_visible(mask, row0, row0 + valid, col0, col0 + cols);
+      Scores(w.q, w.kt, valid, cols, D, row0, col0, mask, full, p.softcap, w.s);
       // Online softmax: S becomes P = exp(S - m_new) in place; O and l are rescaled when the max rises.
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < valid; ++r) {
         float* srow = w.s.row(r);
         const float m_new = std::max(w.m[r], RowMax(srow, cols));
         if (m_new == kNegInf) {  // this row has seen no key yet: P = 0, nothing to rescale
@@ -291,7 +310,7 @@ void ForwardImpl(const FwdParams& p) {
         w.l[r] = w.l[r] * alpha + sum;
         w.m[r] = m_new;
       }
-      Gemm(w.s.ptr(), w.s.ld, w.v.ptr(), w.v.ld, w.o.ptr(), w.o.ld, rows, D, cols, true);  // O += P V
+      Gemm(w.s.ptr(), w.s.ld, w.v.ptr(), w.v.ld, w.o.ptr(), w.o.ld, valid, D, cols, true);  // O += P V
     }
 
     T* op = o + b * dm.q_batch_stride() + row0 * dm.q_row_stride() + h * D;
@@ -299,7 +318,8 @@ void ForwardImpl(const FwdParams& p) {
     for (int64_t r = 0; r < rows; ++r) {
       const float l = w.l[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key: O = 0, LSE = -inf
-      for (int64_t c = 0; c < D; ++c) op[r * dm.q_row_stride() + c] = FromFloat(tag, w.o.row(r)[c] * inv);
+      for (int64_t c = 0; c < D; ++c)  // a select, not a product: a padded row's O is never used
+        op[r * dm.q_row_stride() + c] = FromFloat(tag, l > 0.f ? w.o.row(r)[c] * inv : 0.f);
       lse[r] = l > 0.f ? w.m[r] + std::log(l) : kNegInf;
     }
   });
@@ -307,18 +327,24 @@ void ForwardImpl(const FwdParams& p) {
 
 // --- backward -------------------------------------------------------------------------------------
 // P and dS of one tile from recomputed scores (K and V given transposed); P lands in `p`, dS in `ds`.
-// q is pre-scaled, so dS here is d(loss)/d(scaled S).
+// q is pre-scaled, so dS here is d(loss)/d(scaled S); with a softcap it goes through
+// d(cap tanh(s / cap))/ds = 1 - tanh^2.
 void ProbsAndGrads(Tile& q, Tile& kt, Tile& vt, Tile& dout, const float* lse, const float* delta, int64_t rows,
-                   int64_t cols, int64_t D, int64_t row0, int64_t col0, const MaskParams& mask, bool full, Tile& p,
-                   Tile& ds) {
-  Scores(q, kt, rows, cols, D, row0, col0, mask, full, p);
+                   int64_t cols, int64_t D, int64_t row0, int64_t col0, const BatchMask& mask, bool full,
+                   float softcap, Tile& p, Tile& ds) {
+  Scores(q, kt, rows, cols, D, row0, col0, mask, full, softcap, p);
   Gemm(dout.ptr(), dout.ld, vt.ptr(), vt.ld, ds.ptr(), ds.ld, rows, cols, D, false);  // dP = dO V^T
   for (int64_t r = 0; r < rows; ++r) {
     float* prow = p.row(r);
     float* dsrow = ds.row(r);
     for (int64_t c = 0; c < cols; ++c) {
-      prow[c] = (lse[r] == kNegInf || prow[c] == kNegInf) ? 0.f : Exp(prow[c] - lse[r]);
-      dsrow[c] = prow[c] * (dsrow[c] - delta[r]);
+      const float s = prow[c];
+      prow[c] = (lse[r] == kNegInf || s == kNegInf) ? 0.f : Exp(s - lse[r]);
+      dsrow[c] = prow[c] == 0.f ? 0.f : prow[c] * (dsrow[c] - delta[r]);
+      if (softcap > 0.f && dsrow[c] != 0.f) {
+        const float t = s / softcap;
+        dsrow[c] *= 1.f - t * t;
+      }
     }
   }
 }
@@ -373,17 +399,19 @@ void BackwardImpl(const BwdParams& p) {
     Tile& dv = w.acc_b;
     std::fill(dk.data.begin(), dk.data.end(), 0.f);
     std::fill(dv.data.begin(), dv.data.end(), 0.f);
+    const BatchMask mask = batch_mask(p.mask, b, dm.seqlen_q, dm.seqlen_k);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      for (int64_t row0 = 0; row0 < dm.seqlen_q; row0 += br) {
-        const int64_t rows = std::min(br, dm.seqlen_q - row0);
+      for (int64_t row0 = 0; row0 < mask.q_len; row0 += br) {  // rows past q_len contribute nothing
+        const int64_t rows = std::min(br, mask.q_len - row0);
         int64_t key_begin, key_end;
-        visible_key_range(p.mask, row0, row0 + rows, dm.seqlen_k, &key_begin, &key_end);
+        visible_key_range(mask, row0, row0 + rows, &key_begin, &key_end);
         if (key_begin >= col0 + cols || key_end <= col0) continue;  // block fully masked for these rows
+        if (!SegmentsMeet(mask, row0, rows, col0, cols)) continue;
         LoadTile(tag, q + q_off(b, row0, h), rows, D, dm.q_row_stride(), p.scale, w.q);
         LoadTile(tag, dout + q_off(b, row0, h), rows, D, dm.q_row_stride(), 1.f, w.dout);
-        const bool full = block_fully_visible(p.mask, row0, row0 + rows, col0, col0 + cols);
+        const bool full = block_fully_visible(mask, row0, row0 + rows, col0, col0 + cols);
         ProbsAndGrads(w.q, w.kt, w.vt, w.dout, p.lse + stat_off(b, h, row0), p.delta + stat_off(b, h, row0), rows,
-                      cols, D, row0, col0, p.mask, full, w.p, w.ds);
+                      cols, D, row0, col0, mask, full, p.softcap, w.p, w.ds);
         Transpose(w.p, rows, cols, w.t);
         Gemm(w.t.ptr(), w.t.ld, w.dout.ptr(), w.dout.ld, dv.ptr(), dv.ld, cols, D, rows, true);  // dV += P^T dO
         Transpose(w.ds, rows, cols, w.t);
@@ -408,27 +436,30 @@ void BackwardImpl(const BwdParams& p) {
     const int64_t b = item / (tiles.num_q_blocks * dm.heads_q);
     const int64_t hk = h / group;
     const int64_t row0 = qb * br, rows = std::min(br, dm.seqlen_q - row0);
-    LoadTile(tag, q + q_off(b, row0, h), rows, D, dm.q_row_stride(), p.scale, w.q);
-    LoadTile(tag, dout + q_off(b, row0, h), rows, D, dm.q_row_stride(), 1.f, w.dout);
+    const BatchMask mask = batch_mask(p.mask, b, dm.seqlen_q, dm.seqlen_k);
+    const int64_t valid = ValidRows(mask, row0, rows);  // rows past q_len get dQ = 0
+    LoadTile(tag, q + q_off(b, row0, h), valid, D, dm.q_row_stride(), p.scale, w.q);
+    LoadTile(tag, dout + q_off(b, row0, h), valid, D, dm.q_row_stride(), 1.f, w.dout);
     Tile& dq = w.acc_a;
     std::fill(dq.data.begin(), dq.data.end(), 0.f);
     int64_t key_begin, key_end;
-    visible_key_range(p.mask, row0, row0 + rows, dm.seqlen_k, &key_begin, &key_end);
+    visible_key_range(mask, row0, row0 + valid, &key_begin, &key_end);
     for (int64_t col0 = key_begin; col0 < key_end; col0 += bc) {
       const int64_t cols = std::min(bc, key_end - col0);
+      if (!SegmentsMeet(mask, row0, valid, col0, cols)) continue;
       LoadTileT(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.kt);
       LoadTileT(tag, v + k_off(b, col0, hk), cols, D, dm.k_row_stride(), w.vt);
       LoadTile(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.k);
-      const bool full = block_fully_visible(p.mask, row0, row0 + rows, col0, col0 + cols);
-      ProbsAndGrads(w.q, w.kt, w.vt, w.dout, p.lse + stat_off(b, h, row0), p.delta + stat_off(b, h, row0), rows,
-                    cols, D, row0, col0, p.mask, full, w.p, w.ds);
-      Gemm(w.ds.ptr(), w.ds.ld, w.k.ptr(), w.k.ld, dq.ptr(), dq.ld, rows, D, cols, true);  // dQ += dS K
+      const bool full = block_fully_visible(mask, row0, row0 + valid, col0, col0 + cols);
+      ProbsAndGrads(w.q, w.kt, w.vt, w.dout, p.lse + stat_off(b, h, row0), p.delta + stat_off(b, h, row0), valid,
+                    cols, D, row0, col0, mask, full, p.softcap, w.p, w.ds);
+      Gemm(w.ds.ptr(), w.ds.ld, w.k.ptr(), w.k.ld, dq.ptr(), dq.ld, valid, D, cols, true);  // dQ += dS K
     }
     T* dqp = static_cast<T*>(p.dq) + q_off(b, row0, h);
     float* acc = p.dq_accum + q_off(b, row0, h);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < D; ++c) {
-        const float g = dq.row(r)[c] * p.scale;
+        const float g = r < valid ? dq.row(r)[c] * p.scale : 0.f;
         acc[r * dm.q_row_stride() + c] = g;
         dqp[r * dm.q_row_stride() + c] = FromFloat(tag, g);
       }

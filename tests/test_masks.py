@@ -1,0 +1,160 @@
+"""Masks and variable lengths (window, segment ids, lengths, softcap, top-left alignment) on the CPU
+kernel, forward and backward, against the float64 oracle that materialises the same masks."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+import oracle
+from conftest import DTYPES, check_close, make_inputs
+from jaxflash import reference
+from jaxflash.attention import _attention
+
+LEAD = (2,)
+
+
+def packed_ids(rng, n, docs):
+    """Sorted ids of `docs` packed documents of random lengths (a packed batch)."""
+    cuts = np.sort(rng.choice(np.arange(1, n), size=min(docs, n) - 1, replace=False)) if n > 1 else []
+    ids = np.zeros(n, np.int32)
+    for c in cuts:
+        ids[c:] += 1
+    return ids
+
+
+def mask_arrays(kind, rng, sq, sk):
+    kw = {}
+    if "seg" in kind:
+        if kind["seg"] == "packed":
+            q = np.stack([packed_ids(rng, sq, 4) for _ in range(LEAD[0])])
+            k = np.stack([packed_ids(rng, sk, 4) for _ in range(LEAD[0])]) if sk != sq else q.copy()
+        else:  # unsorted ids: the block skip must not drop anything
+            q, k = rng.integers(0, 3, (LEAD[0], sq)), rng.integers(0, 3, (LEAD[0], sk))
+        kw.update(q_segment_ids=jnp.asarray(q, jnp.int32), kv_segment_ids=jnp.asarray(k, jnp.int32))
+    if "lengths" in kind:
+        ql, kl = kind["lengths"]
+        kw.update(q_lengths=jnp.asarray(ql(sq), jnp.int32), kv_lengths=jnp.asarray(kl(sk), jnp.int32))
+    return kw
+
+
+KINDS = {
+    "window-16-0": dict(window=(16, 0)),
+    "window-0-16": dict(window=(0, 16)),
+    "window-5-5": dict(window=(5, 5)),
+    "window-none-3": dict(window=(None, 3)),
+    "window-20-none": dict(window=(20, -1)),
+    "causal-window-7": dict(causal=True, window=(7, None)),
+    "segments-packed": dict(seg="packed"),
+    "segments-random": dict(seg="random"),
+    "lengths": dict(lengths=(lambda s: [s // 2 + 1, s], lambda s: [s, max(s // 3, 1)])),
+    "lengths-zero": dict(lengths=(lambda s: [0, s], lambda s: [s, 0])),
+    "softcap-5": dict(softcap=5.0),
+    "causal-segments-lengths-softcap": dict(causal=True, seg="packed", softcap=2.0,
+                                            lengths=(lambda s: [s - 1, s // 2], lambda s: [s, s - 3])),
+    "window-segments": dict(window=(9, 2), seg="packed"),
+    "top-left-causal": dict(causal=True, top_left=True),
+    "top-left-window-lengths": dict(window=(4, 1), top_left=True, lengths=(lambda s: [s, 3], lambda s: [s, 5])),
+}
+SHAPES = [(113, 255, 4, 2, 40), (255, 113, 4, 4, 64), (64, 64, 8, 1, 16), (1, 17, 4, 2, 32), (301, 301, 2, 1, 128)]
+
+
+def run(q, k, v, do, kind, kw, backend):
+    opts = dict(causal=kind.get("causal", False), window=kind.get("window"), softcap=kind.get("softcap"),
+                q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"),
+                q_lengths=kw.get("q_lengths"), kv_lengths=kw.get("kv_lengths"))
+
+    def f(q, k, v):
+        return _attention(q, k, v, **opts, scale=None, return_lse=True, deterministic=False, backend=backend,
+                          bottom_right=not kind.get("top_left", False))
+
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    return (o, lse, *vjp((do, jnp.zeros_like(lse))))
+
+
+@pytest.mark.parametrize("kind_name,shape,dtype", [
+    (name, shape, dtype) for n, (name, (shape, dtype)) in enumerate(
+        itertools.product(KINDS, itertools.product(SHAPES, ["float32", "bfloat16", "float16"])))
+    if n % 3 == 0 or shape[0] == 301
+], ids=lambda x: str(x).replace(" ", ""))
+def test_masked_attention_matches_oracle(kind_name, shape, dtype):
+    kind = KINDS[kind_name]
+    sq, sk, hq, hk, d = shape
+    rng = np.random.default_rng(abs(hash((kind_name, shape, dtype))) % 2**32)
+    q, k, v, do = make_inputs(int(rng.integers(2**31)), LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
+    kw = mask_arrays(kind, rng, sq, sk)
+    got = jax.jit(lambda *a: run(*a, kind, kw, "cpu"))(q, k, v, do)
+    naive = run(q, k, v, do, kind, kw, "reference")
+    as64 = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, do)]
+    ref = oracle.attention(*as64[:3], do=as64[3], causal=kind.get("causal", False), softcap=kind.get("softcap"),
+                           window=kind.get("window"), bottom_right=not kind.get("top_left", False), **kw)
+    case = f"{kind_name} {shape} {dtype}"
+    for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
+        check_close(name, g, r, n, dtype, case)
+
+
+def test_causal_equals_window_none_0():
+    q, k, v, _ = make_inputs(1, LEAD, 50, 70, 2, 2, 16, DTYPES["float32"])
+    a = jaxflash.attention(q, k, v, causal=True)
+    b = jaxflash.attention(q, k, v, window=(None, 0))
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lengths_zero_rows_are_zero_with_zero_grads():
+    q, k, v, do = make_inputs(2, LEAD, 40, 30, 2, 1, 16, DTYPES["float32"])
+    ql, kl = jnp.array([10, 0], jnp.int32), jnp.array([30, 7], jnp.int32)
+    f = lambda q, k, v: jaxflash.attention(q, k, v, q_lengths=ql, kv_lengths=kl, return_lse=True)
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp((do, jnp.zeros_like(lse)))
+    assert np.all(np.asarray(o)[0, 10:] == 0) and np.all(np.asarray(o)[1] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[0, :, 10:])) and np.all(np.isneginf(np.asarray(lse)[1]))
+    assert np.all(np.asarray(dq)[0, 10:] == 0) and np.all(np.asarray(dq)[1] == 0)
+    assert np.all(np.asarray(dk)[1] == 0) and np.all(np.asarray(dk)[0] != 0)
+    assert np.all(np.asarray(dk)[0] != 0)
+
+
+def test_vmap_over_segment_ids_only():
+    q, k, v, _ = make_inputs(3, (), 48, 48, 2, 2, 16, DTYPES["float32"])
+    rng = np.random.default_rng(4)
+    ids = jnp.asarray(np.stack([packed_ids(rng, 48, n) for n in (1, 3, 6)]), jnp.int32)
+    out = jax.vmap(lambda s: jaxflash.attention(q, k, v, q_segment_ids=s, kv_segment_ids=s))(ids)
+    for i in range(3):
+        want, _ = oracle.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), q_segment_ids=np.asarray(ids[i]),
+                                   kv_segment_ids=np.asarray(ids[i]))
+        np.testing.assert_allclose(np.asarray(out[i]), want, atol=5e-5)
+
+
+def test_vmap_over_lengths_only_with_grad():
+    q, k, v, do = make_inputs(5, (2,), 33, 41, 4, 2, 8, DTYPES["float32"])
+    lens = jnp.array([[0, 41], [41, 12], [5, 1]], jnp.int32)
+
+    def loss(q, k, v, kl):
+        return jnp.sum(jaxflash.attention(q, k, v, kv_lengths=kl, causal=True) * do)
+
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(None, None, None, 0))(q, k, v, lens)
+    for i in range(3):
+        want = oracle.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), causal=True, do=np.asarray(do),
+                                kv_lengths=np.asarray(lens[i]))[2:]
+        for g, w in zip(grads, want):
+            np.testing.assert_allclose(np.asarray(g[i]), w, atol=5e-5)
+
+
+def test_reference_backend_takes_masks():
+    q, k, v, _ = make_inputs(6, LEAD, 20, 25, 2, 1, 8, DTYPES["float32"])
+    kw = dict(window=(3, 2), softcap=4.0, q_lengths=jnp.array([20, 9], jnp.int32))
+    a = jaxflash.attention(q, k, v, backend="reference", **kw)
+    b = jaxflash.attention(q, k, v, backend="cpu", **kw)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
+    c = reference.attention(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(window=(8, 0)), dict(softcap=3.0), dict(kv_lengths=jnp.array([5, 9]))],
+                         ids=["window", "softcap", "lengths"])
+def test_cuda_backend_rejects_masks_it_does_not_implement(kw):
+    q, k, v, _ = make_inputs(7, LEAD, 16, 16, 2, 2, 64, DTYPES["bfloat16"])
+    with pytest.raises(NotImplementedError, match="CUDA kernels support no mask but causal"):
+        jaxflash.attention(q, k, v, **kw)
