@@ -73,6 +73,7 @@ def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_i
     softcap = _check_softcap(softcap)
     left, right = _check_window(window, causal)
     lead, sq, sk = query.shape[:-3], query.shape[-3], key.shape[-3]
+    bottom_right = bottom_right or sq == sk  # the two alignments coincide
     seg = _check_segment_ids(q_segment_ids, kv_segment_ids, lead, sq, sk)
     lengths = _check_lengths(q_lengths, kv_lengths, lead, sq, sk)
     backend = _resolve_backend(backend, query)
