@@ -7,7 +7,8 @@
 #   3. compute-sanitizer memcheck and racecheck on small cases;
 #   4. the benchmark (benchmarks/bench_gpu.py; BENCH_ARGS passes options, e.g. --quick).
 # Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table.
-# Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BENCH=1, PYTEST_ARGS.
+# Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BENCH=1, PYTEST_ARGS (e.g. "-n 8"
+# with pytest-xdist: ~4 min on 16 cores; "-n 16" ran out of GPU memory next to the 17 GB 64-bit-offset test).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-$(mktemp -d)}"
