@@ -108,6 +108,9 @@ def test_forward_deterministic():
 def test_forward_64bit_offsets():
     """k and v hold more than 2^31 elements; the second batch entry lies past that offset. Query row 0
     of that entry is made to attend almost only to a key near the very end, so O there is a V row."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit", 1 << 40) < 24 * 2**30:
+        pytest.skip("needs about 20 GB of device memory")
     sk = (1 << 23) + 17
     d = 128
     rng = np.random.default_rng(0)
