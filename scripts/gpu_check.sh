@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The one-command GPU check of the CUDA forward kernel, for a GPU machine without network access
-# (jax with its CUDA plugin, nvcc, cmake, nanobind, scikit-build-core, pytest and nvidia-cutlass installed;
-# a wheel of nvidia-cutlass in .whl/ is installed to /tmp/site when the package is missing).
+# The one-command GPU check of the CUDA kernels, for a GPU machine without network access (jax with its
+# CUDA plugin, nvcc, cmake, nanobind, scikit-build-core, pytest and nvidia-cutlass installed; a wheel of
+# nvidia-cutlass in .whl/ is installed to /tmp/site when the package is missing).
 #   1. build and install jaxflash without build isolation, CUDA required (JAXFLASH_CUDA=ON);
-#   2. pytest -m gpu (forward vs the float64 oracle, every dtype and head dim, odd lengths, GQA, causal);
-#   3. compute-sanitizer memcheck and racecheck on small cases;
-#   4. the benchmark (benchmarks/bench_gpu.py; BENCH_ARGS passes options, e.g. --quick).
+#   2. pytest -m gpu: forward and backward vs the float64 oracle (every dtype and head dim, odd lengths, GQA,
+#      causal, poisoned outputs, determinism, jit/vmap/grad on the GPU);
+#   3. compute-sanitizer memcheck and racecheck on small forward and backward cases;
+#   4. the benchmarks (benchmarks/bench_gpu.py forward, bench_gpu_bwd.py fwd+bwd; BENCH_ARGS passes options).
 # Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table.
-# Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BENCH=1, PYTEST_ARGS (e.g. "-n 8"
-# with pytest-xdist: ~4 min on 16 cores; "-n 16" ran out of GPU memory next to the 17 GB 64-bit-offset test).
+# Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BUILD=1, SKIP_SANITIZER=1,
+# SKIP_BENCH=1, PYTEST_ARGS (default "-n 8" when pytest-xdist is installed: ~4 min for the forward tests on 16
+# cores; "-n 16" ran out of GPU memory next to the 17 GB 64-bit-offset test). Everything takes ~11 minutes on
+# one H200: over the device tool's 10-minute call limit, so run it there as two calls (SKIP_BENCH=1, then
+# SKIP_SANITIZER=1 with PYTEST_ARGS="-k nothing" and the benchmarks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-$(mktemp -d)}"
@@ -24,18 +28,24 @@ fi
 
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null); $(nvcc --version | tail -1); \
 jax $("$PY" -c 'import jax; print(jax.__version__)' 2>/dev/null); commit $(git rev-parse --short HEAD 2>/dev/null)"
-echo "== build ($(nproc) cores)"
-start=$(date +%s)
-if JAXFLASH_CUDA=ON "$PY" -m pip install --no-build-isolation --no-deps -v . >"$LOG/build.log" 2>&1; then
-  verdict build "ok ($(( $(date +%s) - start )) s)"
-else
-  tail -40 "$LOG/build.log"; verdict build "FAIL (see build.log)"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  echo "== build ($(nproc) cores)"
+  start=$(date +%s)
+  if JAXFLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install --no-build-isolation --no-deps -v . \
+      >"$LOG/build.log" 2>&1; then
+    verdict build "ok ($(( $(date +%s) - start )) s)"
+  else
+    grep -E "error" "$LOG/build.log" | head -20; tail -20 "$LOG/build.log"; verdict build "FAIL (see build.log)"
+  fi
 fi
 cd /tmp  # import the installed package, not the source tree
 REPO="$OLDPWD"
 
 echo "== pytest -m gpu"
-if "$PY" -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} "$REPO/tests" >"$LOG/pytest.log" 2>&1; then
+default_pytest_args=""
+"$PY" -c "import xdist" 2>/dev/null && default_pytest_args="-n 8"
+if "$PY" -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS-$default_pytest_args} "$REPO/tests" \
+    >"$LOG/pytest.log" 2>&1; then
   verdict "pytest -m gpu" "ok: $(tail -1 "$LOG/pytest.log")"
 else
   grep -E "^(FAILED|ERROR)|Error|assert" "$LOG/pytest.log" | head -30
@@ -53,12 +63,17 @@ for dtype, d, sq, sk, hq, hk, causal in [("bfloat16", 64, 113, 203, 4, 2, True),
     v = jnp.asarray(rng.standard_normal((2, sk, hk, d)), dtype)
     o = jaxflash.attention(q, k, v, causal=causal, backend="cuda")
     assert np.isfinite(np.asarray(o, np.float32)).all()
-print("small cases ran")
+    for det in (False, True):
+        _, vjp = jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, deterministic=det,
+                                                            backend="cuda"), q, k, v)
+        assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in vjp(jnp.ones_like(q)))
+print("small forward and backward cases ran")
 PYEOF
 for tool in memcheck racecheck; do
+  [ "${SKIP_SANITIZER:-0}" = 1 ] && break
   echo "== compute-sanitizer --tool $tool"
-  if compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=flash_fwd "$PY" /tmp/jaxflash_small.py \
-      >"$LOG/sanitizer_$tool.log" 2>&1; then
+  if timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=flash_ "$PY" \
+      /tmp/jaxflash_small.py >"$LOG/sanitizer_$tool.log" 2>&1; then
     verdict "sanitizer $tool" "ok: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_$tool.log" | tail -1)"
   else
     tail -20 "$LOG/sanitizer_$tool.log"
@@ -67,12 +82,16 @@ for tool in memcheck racecheck; do
 done
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  echo "== benchmark"
-  if "$PY" "$REPO/benchmarks/bench_gpu.py" ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log"; then
-    verdict benchmark "ok (bench.log)"
-  else
-    verdict benchmark "FAIL (bench.log)"
-  fi
+  for pass in fwd fwdbwd; do
+    script="$REPO/benchmarks/bench_gpu.py" log="$LOG/bench.log"
+    [ "$pass" = fwdbwd ] && script="$REPO/benchmarks/bench_gpu_bwd.py" log="$LOG/bench_bwd.log"
+    echo "== benchmark ($pass)"
+    if timeout 400 "$PY" "$script" ${BENCH_ARGS:-} 2>&1 | tee "$log"; then
+      verdict "benchmark $pass" "ok ($(basename "$log"))"
+    else
+      verdict "benchmark $pass" "FAIL ($(basename "$log"))"
+    fi
+  done
 fi
 
 echo
