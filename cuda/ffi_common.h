@@ -181,6 +181,85 @@ auto BindBwd(Binding b) {
       .template Attr<bool>("deterministic");
 }
 
+inline ffi::Error CheckSoftcap(const char* target, float softcap) {
+  if (!(softcap >= 0.f) || softcap == INFINITY)
+    return Invalid(target, "softcap must be finite and >= 0 (0: off); got " + std::to_string(softcap));
+  return ffi::Error::Success();
+}
+
+// Everything both platforms decode for jaxflash_fwd, checked, into `p`: dims, pointers, scale, softcap, mask.
+inline ffi::Error ParseFwd(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                           const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& q_seg,
+                           const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& q_len,
+                           const ffi::Buffer<ffi::S32>& kv_len, ffi::Result<ffi::AnyBuffer>& o,
+                           ffi::ResultBuffer<ffi::F32>& lse, float scale, float softcap, const MaskAttrs& attrs,
+                           FwdParams* p) {
+  if (auto e = ParseDims(target, q, k, v, &p->dims); e.failure()) return e;
+  if (auto e = CheckShape(target, "o", o->dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(target, "lse", lse->dimensions(), StatShape(q.dimensions())); e.failure()) return e;
+  if (o->element_type() != q.element_type())
+    return Invalid(target, std::string("o must have q's dtype ") + DTypeName(q.element_type()) + "; got " +
+                               DTypeName(o->element_type()));
+  if (auto e = CheckSoftcap(target, softcap); e.failure()) return e;
+  if (auto e = ParseMask(target, q.dimensions(), p->dims, q_seg, kv_seg, q_len, kv_len, attrs, &p->mask);
+      e.failure())
+    return e;
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->o = o->untyped_data();
+  p->lse = lse->typed_data();
+  p->scale = scale;
+  p->softcap = softcap;
+  return ffi::Error::Success();
+}
+
+// The same for jaxflash_bwd.
+inline ffi::Error ParseBwd(const char* target, const ffi::AnyBuffer& dout, const ffi::AnyBuffer& q,
+                           const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const ffi::AnyBuffer& o,
+                           const ffi::Buffer<ffi::F32>& lse, const ffi::Buffer<ffi::F32>& dlse,
+                           const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& kv_seg,
+                           const ffi::Buffer<ffi::S32>& q_len, const ffi::Buffer<ffi::S32>& kv_len,
+                           ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
+                           ffi::Result<ffi::AnyBuffer>& dv, ffi::ResultBuffer<ffi::F32>& dq_accum,
+                           ffi::ResultBuffer<ffi::F32>& delta, float scale, float softcap, const MaskAttrs& attrs,
+                           BwdParams* p) {
+  if (auto e = ParseDims(target, q, k, v, &p->dims); e.failure()) return e;
+  const auto stat = StatShape(q.dimensions());
+  if (auto e = CheckShape(target, "do", dout.dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(target, "o", o.dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(target, "lse", lse.dimensions(), stat); e.failure()) return e;
+  if (auto e = CheckShape(target, "dlse", dlse.dimensions(), stat); e.failure()) return e;
+  if (auto e = CheckShape(target, "dq", dq->dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(target, "dk", dk->dimensions(), k.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(target, "dv", dv->dimensions(), v.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(target, "dq_accum", dq_accum->dimensions(), q.dimensions()); e.failure()) return e;
+  if (auto e = CheckShape(target, "delta", delta->dimensions(), stat); e.failure()) return e;
+  for (auto t : {dout.element_type(), o.element_type(), dq->element_type(), dk->element_type(), dv->element_type()})
+    if (t != q.element_type())
+      return Invalid(target, std::string("do, o, dq, dk and dv must have q's dtype ") + DTypeName(q.element_type()) +
+                                 "; got " + DTypeName(t));
+  if (auto e = CheckSoftcap(target, softcap); e.failure()) return e;
+  if (auto e = ParseMask(target, q.dimensions(), p->dims, q_seg, kv_seg, q_len, kv_len, attrs, &p->mask);
+      e.failure())
+    return e;
+  p->dout = dout.untyped_data();
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->o = o.untyped_data();
+  p->lse = lse.typed_data();
+  p->dlse = dlse.typed_data();
+  p->dq = dq->untyped_data();
+  p->dk = dk->untyped_data();
+  p->dv = dv->untyped_data();
+  p->dq_accum = dq_accum->typed_data();
+  p->delta = delta->typed_data();
+  p->scale = scale;
+  p->softcap = softcap;
+  return ffi::Error::Success();
+}
+
 // The CUDA kernels do not implement segment ids, lengths, softcap, sliding windows or the top-left
 // diagonal yet (the CPU kernel does): say so rather than compute something else.
 inline ffi::Error CheckCudaMaskSupported(const char* target, const MaskAttrs& a, float softcap) {
@@ -192,10 +271,5 @@ inline ffi::Error CheckCudaMaskSupported(const char* target, const MaskAttrs& a,
                                           "(segment ids, lengths, softcap and windows run on the CPU kernel)");
 }
 
-inline ffi::Error CheckSoftcap(const char* target, float softcap) {
-  if (!(softcap >= 0.f) || softcap == INFINITY)
-    return Invalid(target, "softcap must be finite and >= 0 (0: off); got " + std::to_string(softcap));
-  return ffi::Error::Success();
-}
 
 }  // namespace jaxflash

@@ -38,30 +38,19 @@ ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
                    bool use_lengths) {
   constexpr const char* kTarget = "jaxflash_fwd";
   FwdParams p;
-  if (auto e = ParseDims(kTarget, q, k, v, &p.dims); e.failure()) return e;
+  const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
+  if (auto e = ParseFwd(kTarget, q, k, v, q_seg, kv_seg, q_len, kv_len, o, lse, scale, softcap, attrs, &p);
+      e.failure())
+    return e;
   if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
   cpu::DType dtype;
   if (auto e = CpuDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "o", o->dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "lse", lse->dimensions(), StatShape(q.dimensions())); e.failure()) return e;
-  if (o->element_type() != q.element_type()) return Invalid(kTarget, "o must have q's dtype");
-  if (auto e = CheckSoftcap(kTarget, softcap); e.failure()) return e;
-  const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
-  if (auto e = ParseMask(kTarget, q.dimensions(), p.dims, q_seg, kv_seg, q_len, kv_len, attrs, &p.mask); e.failure())
-    return e;
   if (q.element_count() == 0) return ffi::Error::Success();
   if (p.dims.seqlen_k == 0) {  // nothing to attend to: O = 0, LSE = -inf
     std::memset(o->untyped_data(), 0, o->size_bytes());
     std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
     return ffi::Error::Success();
   }
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
-  p.o = o->untyped_data();
-  p.lse = lse->typed_data();
-  p.scale = scale;
-  p.softcap = softcap;
   cpu::Forward(p, dtype);
   return ffi::Error::Success();
 }
@@ -76,26 +65,14 @@ ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   // The CPU backward pass never uses atomics, so it is deterministic whatever `deterministic` says.
   constexpr const char* kTarget = "jaxflash_bwd";
   BwdParams p;
-  if (auto e = ParseDims(kTarget, q, k, v, &p.dims); e.failure()) return e;
+  const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
+  if (auto e = ParseBwd(kTarget, dout, q, k, v, o, lse, dlse, q_seg, kv_seg, q_len, kv_len, dq, dk, dv, dq_accum,
+                        delta, scale, softcap, attrs, &p);
+      e.failure())
+    return e;
   if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
   cpu::DType dtype;
   if (auto e = CpuDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
-  const auto stat = StatShape(q.dimensions());
-  if (auto e = CheckShape(kTarget, "do", dout.dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "o", o.dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "lse", lse.dimensions(), stat); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "dlse", dlse.dimensions(), stat); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "dq", dq->dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "dk", dk->dimensions(), k.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "dv", dv->dimensions(), v.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "dq_accum", dq_accum->dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kTarget, "delta", delta->dimensions(), stat); e.failure()) return e;
-  for (auto t : {dout.element_type(), o.element_type(), dq->element_type(), dk->element_type(), dv->element_type()})
-    if (t != q.element_type()) return Invalid(kTarget, "do, o, dq, dk and dv must have q's dtype");
-  if (auto e = CheckSoftcap(kTarget, softcap); e.failure()) return e;
-  const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
-  if (auto e = ParseMask(kTarget, q.dimensions(), p.dims, q_seg, kv_seg, q_len, kv_len, attrs, &p.mask); e.failure())
-    return e;
   // Every output is written even when a length is 0 (zero gradients), so no caller sees garbage.
   std::memset(dq->untyped_data(), 0, dq->size_bytes());
   std::memset(dk->untyped_data(), 0, dk->size_bytes());
@@ -103,20 +80,6 @@ ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   std::memset(dq_accum->untyped_data(), 0, dq_accum->size_bytes());
   std::memset(delta->untyped_data(), 0, delta->size_bytes());
   if (q.element_count() == 0 || k.element_count() == 0) return ffi::Error::Success();
-  p.dout = dout.untyped_data();
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
-  p.o = o.untyped_data();
-  p.lse = lse.typed_data();
-  p.dlse = dlse.typed_data();
-  p.dq = dq->untyped_data();
-  p.dk = dk->untyped_data();
-  p.dv = dv->untyped_data();
-  p.dq_accum = dq_accum->typed_data();
-  p.delta = delta->typed_data();
-  p.scale = scale;
-  p.softcap = softcap;
   cpu::Backward(p, dtype);
   return ffi::Error::Success();
 }

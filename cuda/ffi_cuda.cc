@@ -45,27 +45,15 @@ ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
                    float scale, float softcap, int64_t window_left, int64_t window_right, bool bottom_right,
                    bool use_segment_ids, bool use_lengths) {
   FwdParams p;
-  if (auto e = ParseDims(kFwdTarget, q, k, v, &p.dims); e.failure()) return e;
   const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
-  if (auto e = CheckCudaMaskSupported(kFwdTarget, attrs, softcap); e.failure()) return e;
-  if (auto e = ParseMask(kFwdTarget, q.dimensions(), p.dims, q_seg, kv_seg, q_len, kv_len, attrs, &p.mask);
+  if (auto e = ParseFwd(kFwdTarget, q, k, v, q_seg, kv_seg, q_len, kv_len, o, lse, scale, softcap, attrs, &p);
       e.failure())
     return e;
-  if (auto e = CheckShape(kFwdTarget, "o", o->dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kFwdTarget, "lse", lse->dimensions(), StatShape(q.dimensions())); e.failure()) return e;
-  if (o->element_type() != q.element_type())
-    return Invalid(kFwdTarget, std::string("o must have q's dtype ") + DTypeName(q.element_type()) + "; got " +
-                                   DTypeName(o->element_type()));
+  if (auto e = CheckCudaMaskSupported(kFwdTarget, attrs, softcap); e.failure()) return e;
   // The kernel numbers its blocks in one 32-bit grid dimension (kBlockM >= 64 rows per block).
   const int64_t blocks = p.dims.batch * p.dims.heads_q * ((p.dims.seqlen_q + 63) / 64);
   if (blocks > INT32_MAX)
     return Invalid(kFwdTarget, "batch x heads x ceil(Sq / 64) must be below 2^31; got " + std::to_string(blocks));
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
-  p.o = o->untyped_data();
-  p.lse = lse->typed_data();
-  p.scale = scale;
   // Dispatch even for empty tensors, so that an unsupported dtype or head dim is always reported.
   return Dispatch(kFwdTarget, q.element_type(), p.dims.head_dim,
                   LaunchFwd{p, stream, device, q.element_count() == 0});

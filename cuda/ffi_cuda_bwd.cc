@@ -55,26 +55,12 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
                    int64_t window_right, bool bottom_right, bool use_segment_ids, bool use_lengths,
                    bool deterministic) {
   BwdParams p;
-  if (auto e = ParseDims(kBwdTarget, q, k, v, &p.dims); e.failure()) return e;
   const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
-  if (auto e = CheckCudaMaskSupported(kBwdTarget, attrs, softcap); e.failure()) return e;
-  if (auto e = ParseMask(kBwdTarget, q.dimensions(), p.dims, q_seg, kv_seg, q_len, kv_len, attrs, &p.mask);
+  if (auto e = ParseBwd(kBwdTarget, dout, q, k, v, o, lse, dlse, q_seg, kv_seg, q_len, kv_len, dq, dk, dv, dq_accum,
+                        delta, scale, softcap, attrs, &p);
       e.failure())
     return e;
-  const auto stat = StatShape(q.dimensions());
-  if (auto e = CheckShape(kBwdTarget, "do", dout.dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kBwdTarget, "o", o.dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kBwdTarget, "lse", lse.dimensions(), stat); e.failure()) return e;
-  if (auto e = CheckShape(kBwdTarget, "dlse", dlse.dimensions(), stat); e.failure()) return e;
-  if (auto e = CheckShape(kBwdTarget, "dq", dq->dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kBwdTarget, "dk", dk->dimensions(), k.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kBwdTarget, "dv", dv->dimensions(), v.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kBwdTarget, "dq_accum", dq_accum->dimensions(), q.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(kBwdTarget, "delta", delta->dimensions(), stat); e.failure()) return e;
-  for (auto t : {dout.element_type(), o.element_type(), dq->element_type(), dk->element_type(), dv->element_type()})
-    if (t != q.element_type())
-      return Invalid(kBwdTarget, std::string("do, o, dq, dk and dv must have q's dtype ") +
-                                     DTypeName(q.element_type()) + "; got " + DTypeName(t));
+  if (auto e = CheckCudaMaskSupported(kBwdTarget, attrs, softcap); e.failure()) return e;
   // The kernels number their blocks in one 32-bit grid dimension (>= 64 rows or keys per block).
   const int64_t q_blocks = p.dims.batch * p.dims.heads_q * ((p.dims.seqlen_q + 63) / 64);
   const int64_t k_blocks = p.dims.batch * p.dims.heads_k * ((p.dims.seqlen_k + 63) / 64);
@@ -96,19 +82,6 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
     return ffi::Error::Success();
   }
 
-  p.dout = dout.untyped_data();
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
-  p.o = o.untyped_data();
-  p.lse = lse.typed_data();
-  p.dlse = dlse.typed_data();
-  p.dq = dq->untyped_data();
-  p.dk = dk->untyped_data();
-  p.dv = dv->untyped_data();
-  p.dq_accum = dq_accum->typed_data();
-  p.delta = delta->typed_data();
-  p.scale = scale;
   return Dispatch(kBwdTarget, q.element_type(), p.dims.head_dim, LaunchBwd{p, deterministic, stream, device});
 }
 
