@@ -129,16 +129,17 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
 // order. Both platforms bind through these, so the CPU handler (tested in CI) and the CUDA one decode the
 // same call the same way.
 template <typename Binding>
-auto BindMaskOperands(Binding b) {
+auto BindOptionOperands(Binding b) {
   return std::move(b)
       .template Arg<ffi::Buffer<ffi::S32>>()   // q_segment_ids  [..., Sq]
       .template Arg<ffi::Buffer<ffi::S32>>()   // kv_segment_ids [..., Sk]
       .template Arg<ffi::Buffer<ffi::S32>>()   // q_lengths      [...]
-      .template Arg<ffi::Buffer<ffi::S32>>();  // kv_lengths     [...]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // kv_lengths     [...]
+      .template Arg<ffi::Buffer<ffi::U32>>();  // dropout_state  [..., 3]: key words, batch index
 }
 
 template <typename Binding>
-auto BindMaskAttrs(Binding b) {
+auto BindOptionAttrs(Binding b) {
   return std::move(b)
       .template Attr<float>("scale")
       .template Attr<float>("softcap")
@@ -146,14 +147,15 @@ auto BindMaskAttrs(Binding b) {
       .template Attr<int64_t>("window_right")
       .template Attr<bool>("bottom_right")
       .template Attr<bool>("segment_ids")
-      .template Attr<bool>("lengths");
+      .template Attr<bool>("lengths")
+      .template Attr<float>("dropout_rate");
 }
 
-// jaxflash_fwd: (q, k, v, mask operands) -> (o, lse); attributes as BindMaskAttrs. (Bindings cannot be
+// jaxflash_fwd: (q, k, v, option operands) -> (o, lse); attributes as BindOptionAttrs. (Bindings cannot be
 // moved into named variables, so each step is passed on as a temporary.)
 template <typename Binding>
 auto BindFwd(Binding b) {
-  return BindMaskAttrs(BindMaskOperands(std::move(b)
+  return BindOptionAttrs(BindOptionOperands(std::move(b)
                                             .template Arg<ffi::AnyBuffer>()    // q [..., Sq, Hq, D]
                                             .template Arg<ffi::AnyBuffer>()    // k [..., Sk, Hk, D]
                                             .template Arg<ffi::AnyBuffer>())   // v [..., Sk, Hk, D]
@@ -161,11 +163,11 @@ auto BindFwd(Binding b) {
                            .template Ret<ffi::Buffer<ffi::F32>>());            // lse [..., Hq, Sq]
 }
 
-// jaxflash_bwd: (do, q, k, v, o, lse, dlse, mask operands) -> (dq, dk, dv, dq_accum, delta); attributes as
-// BindMaskAttrs plus `deterministic`.
+// jaxflash_bwd: (do, q, k, v, o, lse, dlse, option operands) -> (dq, dk, dv, dq_accum, delta); attributes as
+// BindOptionAttrs plus `deterministic`.
 template <typename Binding>
 auto BindBwd(Binding b) {
-  return BindMaskAttrs(BindMaskOperands(std::move(b)
+  return BindOptionAttrs(BindOptionOperands(std::move(b)
                                             .template Arg<ffi::AnyBuffer>()            // do   [..., Sq, Hq, D]
                                             .template Arg<ffi::AnyBuffer>()            // q
                                             .template Arg<ffi::AnyBuffer>()            // k    [..., Sk, Hk, D]
@@ -187,13 +189,28 @@ inline ffi::Error CheckSoftcap(const char* target, float softcap) {
   return ffi::Error::Success();
 }
 
+// Dropout: rate in [0, 1); state [..., 3] uint32 (key words, batch index), read only when rate > 0.
+inline ffi::Error ParseDropout(const char* target, ffi::Span<const int64_t> qd, const ffi::Buffer<ffi::U32>& state,
+                               float rate, DropoutParams* dropout) {
+  if (!(rate >= 0.f && rate < 1.f))
+    return Invalid(target, "dropout_rate must be in [0, 1); got " + std::to_string(rate));
+  std::vector<int64_t> want(qd.begin(), qd.end() - 3);
+  want.push_back(3);
+  if (auto e = CheckShape(target, "dropout_state", state.dimensions(), want); e.failure()) return e;
+  dropout->rate = rate;
+  // floor(rate * 2^32) < 2^32 for rate < 1 in float; double keeps it exact.
+  dropout->threshold = uint32_t(double(rate) * 4294967296.0);
+  dropout->state = rate > 0.f ? state.typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
 // Everything both platforms decode for jaxflash_fwd, checked, into `p`: dims, pointers, scale, softcap, mask.
 inline ffi::Error ParseFwd(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                            const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& q_seg,
                            const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& q_len,
-                           const ffi::Buffer<ffi::S32>& kv_len, ffi::Result<ffi::AnyBuffer>& o,
-                           ffi::ResultBuffer<ffi::F32>& lse, float scale, float softcap, const MaskAttrs& attrs,
-                           FwdParams* p) {
+                           const ffi::Buffer<ffi::S32>& kv_len, const ffi::Buffer<ffi::U32>& dropout_state,
+                           ffi::Result<ffi::AnyBuffer>& o, ffi::ResultBuffer<ffi::F32>& lse, float scale,
+                           float softcap, const MaskAttrs& attrs, float dropout_rate, FwdParams* p) {
   if (auto e = ParseDims(target, q, k, v, &p->dims); e.failure()) return e;
   if (auto e = CheckShape(target, "o", o->dimensions(), q.dimensions()); e.failure()) return e;
   if (auto e = CheckShape(target, "lse", lse->dimensions(), StatShape(q.dimensions())); e.failure()) return e;
@@ -204,6 +221,7 @@ inline ffi::Error ParseFwd(const char* target, const ffi::AnyBuffer& q, const ff
   if (auto e = ParseMask(target, q.dimensions(), p->dims, q_seg, kv_seg, q_len, kv_len, attrs, &p->mask);
       e.failure())
     return e;
+  if (auto e = ParseDropout(target, q.dimensions(), dropout_state, dropout_rate, &p->dropout); e.failure()) return e;
   p->q = q.untyped_data();
   p->k = k.untyped_data();
   p->v = v.untyped_data();
@@ -220,10 +238,10 @@ inline ffi::Error ParseBwd(const char* target, const ffi::AnyBuffer& dout, const
                            const ffi::Buffer<ffi::F32>& lse, const ffi::Buffer<ffi::F32>& dlse,
                            const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& kv_seg,
                            const ffi::Buffer<ffi::S32>& q_len, const ffi::Buffer<ffi::S32>& kv_len,
-                           ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
-                           ffi::Result<ffi::AnyBuffer>& dv, ffi::ResultBuffer<ffi::F32>& dq_accum,
-                           ffi::ResultBuffer<ffi::F32>& delta, float scale, float softcap, const MaskAttrs& attrs,
-                           BwdParams* p) {
+                           const ffi::Buffer<ffi::U32>& dropout_state, ffi::Result<ffi::AnyBuffer>& dq,
+                           ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
+                           ffi::ResultBuffer<ffi::F32>& dq_accum, ffi::ResultBuffer<ffi::F32>& delta, float scale,
+                           float softcap, const MaskAttrs& attrs, float dropout_rate, BwdParams* p) {
   if (auto e = ParseDims(target, q, k, v, &p->dims); e.failure()) return e;
   const auto stat = StatShape(q.dimensions());
   if (auto e = CheckShape(target, "do", dout.dimensions(), q.dimensions()); e.failure()) return e;
@@ -243,6 +261,7 @@ inline ffi::Error ParseBwd(const char* target, const ffi::AnyBuffer& dout, const
   if (auto e = ParseMask(target, q.dimensions(), p->dims, q_seg, kv_seg, q_len, kv_len, attrs, &p->mask);
       e.failure())
     return e;
+  if (auto e = ParseDropout(target, q.dimensions(), dropout_state, dropout_rate, &p->dropout); e.failure()) return e;
   p->dout = dout.untyped_data();
   p->q = q.untyped_data();
   p->k = k.untyped_data();
@@ -260,15 +279,16 @@ inline ffi::Error ParseBwd(const char* target, const ffi::AnyBuffer& dout, const
   return ffi::Error::Success();
 }
 
-// The CUDA kernels do not implement segment ids, lengths, softcap, sliding windows or the top-left
-// diagonal yet (the CPU kernel does): say so rather than compute something else.
-inline ffi::Error CheckCudaMaskSupported(const char* target, const MaskAttrs& a, float softcap) {
+// The CUDA kernels do not implement segment ids, lengths, softcap, sliding windows, the top-left diagonal or
+// dropout yet (the CPU kernel does): say so rather than compute something else.
+inline ffi::Error CheckCudaSupported(const char* target, const MaskAttrs& a, float softcap, float dropout_rate) {
   const bool plain = !a.use_segment_ids && !a.use_lengths && softcap == 0.f && a.window_left == -1 &&
-                     (a.window_right == -1 || a.window_right == 0) && a.bottom_right;
+                     (a.window_right == -1 || a.window_right == 0) && a.bottom_right && dropout_rate == 0.f;
   if (plain) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    std::string(target) + ": the CUDA kernel supports no mask but the bottom-right causal one yet "
-                                          "(segment ids, lengths, softcap and windows run on the CPU kernel)");
+                    std::string(target) + ": the CUDA kernel supports no mask but the bottom-right causal one and no "
+                                          "dropout yet (segment ids, lengths, softcap, windows and dropout run on "
+                                          "the CPU kernel)");
 }
 
 

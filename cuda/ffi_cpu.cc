@@ -8,6 +8,7 @@
 
 #include "cpu/flash_cpu.h"
 #include "ffi_common.h"
+#include "philox.h"
 
 namespace nb = nanobind;
 
@@ -33,13 +34,14 @@ ffi::Error CheckHeadDim(const char* target, int64_t d) {
 
 ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
-                   ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse, float scale, float softcap,
+                   ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse, float scale, float softcap,
                    int64_t window_left, int64_t window_right, bool bottom_right, bool use_segment_ids,
-                   bool use_lengths) {
+                   bool use_lengths, float dropout_rate) {
   constexpr const char* kTarget = "jaxflash_fwd";
   FwdParams p;
   const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
-  if (auto e = ParseFwd(kTarget, q, k, v, q_seg, kv_seg, q_len, kv_len, o, lse, scale, softcap, attrs, &p);
+  if (auto e = ParseFwd(kTarget, q, k, v, q_seg, kv_seg, q_len, kv_len, dropout_state, o, lse, scale, softcap,
+                        attrs, dropout_rate, &p);
       e.failure())
     return e;
   if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
@@ -58,16 +60,16 @@ ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
 ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
-                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::ResultBuffer<ffi::F32> dq_accum, ffi::ResultBuffer<ffi::F32> delta, float scale,
                    float softcap, int64_t window_left, int64_t window_right, bool bottom_right, bool use_segment_ids,
-                   bool use_lengths, bool /*deterministic*/) {
+                   bool use_lengths, float dropout_rate, bool /*deterministic*/) {
   // The CPU backward pass never uses atomics, so it is deterministic whatever `deterministic` says.
   constexpr const char* kTarget = "jaxflash_bwd";
   BwdParams p;
   const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
-  if (auto e = ParseBwd(kTarget, dout, q, k, v, o, lse, dlse, q_seg, kv_seg, q_len, kv_len, dq, dk, dv, dq_accum,
-                        delta, scale, softcap, attrs, &p);
+  if (auto e = ParseBwd(kTarget, dout, q, k, v, o, lse, dlse, q_seg, kv_seg, q_len, kv_len, dropout_state, dq,
+                        dk, dv, dq_accum, delta, scale, softcap, attrs, dropout_rate, &p);
       e.failure())
     return e;
   if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
@@ -103,4 +105,8 @@ NB_MODULE(_jaxflash_cpu, m) {
     auto bs = jaxflash::cpu::ComputeBlockSizes(head_dim, jaxflash::cpu::CacheBudgetBytes());
     return nb::make_tuple(bs.rows_q, bs.rows_k);
   }, "(Br, Bc) the CPU kernel uses for this head dim.");
+  m.def("philox4x32_10", [](uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+    const jaxflash::Philox4 r = jaxflash::philox4x32_10(jaxflash::Philox4{{c0, c1, c2, c3}}, k0, k1);
+    return nb::make_tuple(r.x[0], r.x[1], r.x[2], r.x[3]);
+  }, "The kernels' Philox4x32-10 (counter words c0..c3, key words k0, k1), for known-answer tests.");
 }

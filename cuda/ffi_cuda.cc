@@ -41,15 +41,17 @@ struct LaunchFwd {
 
 ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
-                   ffi::Buffer<ffi::S32> kv_len, ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse,
+                   ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::U32> dropout_state,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse,
                    float scale, float softcap, int64_t window_left, int64_t window_right, bool bottom_right,
-                   bool use_segment_ids, bool use_lengths) {
+                   bool use_segment_ids, bool use_lengths, float dropout_rate) {
   FwdParams p;
   const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
-  if (auto e = ParseFwd(kFwdTarget, q, k, v, q_seg, kv_seg, q_len, kv_len, o, lse, scale, softcap, attrs, &p);
+  if (auto e = ParseFwd(kFwdTarget, q, k, v, q_seg, kv_seg, q_len, kv_len, dropout_state, o, lse, scale,
+                        softcap, attrs, dropout_rate, &p);
       e.failure())
     return e;
-  if (auto e = CheckCudaMaskSupported(kFwdTarget, attrs, softcap); e.failure()) return e;
+  if (auto e = CheckCudaSupported(kFwdTarget, attrs, softcap, dropout_rate); e.failure()) return e;
   // The kernel numbers its blocks in one 32-bit grid dimension (kBlockM >= 64 rows per block).
   const int64_t blocks = p.dims.batch * p.dims.heads_q * ((p.dims.seqlen_q + 63) / 64);
   if (blocks > INT32_MAX)

@@ -49,18 +49,19 @@ ffi::Error ZeroFill(cudaStream_t stream, void* ptr, size_t bytes) {
 ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
                    ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
-                   ffi::Buffer<ffi::S32> kv_len, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::U32> dropout_state,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::ResultBuffer<ffi::F32> dq_accum,
                    ffi::ResultBuffer<ffi::F32> delta, float scale, float softcap, int64_t window_left,
                    int64_t window_right, bool bottom_right, bool use_segment_ids, bool use_lengths,
-                   bool deterministic) {
+                   float dropout_rate, bool deterministic) {
   BwdParams p;
   const MaskAttrs attrs{window_left, window_right, bottom_right, use_segment_ids, use_lengths};
-  if (auto e = ParseBwd(kBwdTarget, dout, q, k, v, o, lse, dlse, q_seg, kv_seg, q_len, kv_len, dq, dk, dv, dq_accum,
-                        delta, scale, softcap, attrs, &p);
+  if (auto e = ParseBwd(kBwdTarget, dout, q, k, v, o, lse, dlse, q_seg, kv_seg, q_len, kv_len, dropout_state, dq,
+                        dk, dv, dq_accum, delta, scale, softcap, attrs, dropout_rate, &p);
       e.failure())
     return e;
-  if (auto e = CheckCudaMaskSupported(kBwdTarget, attrs, softcap); e.failure()) return e;
+  if (auto e = CheckCudaSupported(kBwdTarget, attrs, softcap, dropout_rate); e.failure()) return e;
   // The kernels number their blocks in one 32-bit grid dimension (>= 64 rows or keys per block).
   const int64_t q_blocks = p.dims.batch * p.dims.heads_q * ((p.dims.seqlen_q + 63) / 64);
   const int64_t k_blocks = p.dims.batch * p.dims.heads_k * ((p.dims.seqlen_k + 63) / 64);

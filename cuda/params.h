@@ -29,6 +29,13 @@ struct MaskParams {
   const int32_t* kv_lengths = nullptr;      // [batch], or null: every key is valid
 };
 
+// Dropout of the attention probabilities (philox.h has the rule). rate = 0: off, state unused.
+struct DropoutParams {
+  float rate = 0.0f;
+  uint32_t threshold = 0;      // floor(rate * 2^32)
+  const uint32_t* state = nullptr;  // [batch, 3]: key word 0, key word 1, the element's batch index
+};
+
 struct AttnDims {
   int64_t batch = 0;
   int64_t seqlen_q = 0;
@@ -55,6 +62,7 @@ struct FwdParams {
   float scale = 1.0f;
   float softcap = 0.0f;  // > 0: scores become softcap * tanh(scores / softcap) before the softmax
   MaskParams mask;
+  DropoutParams dropout;
 };
 
 struct BwdParams {
@@ -74,6 +82,7 @@ struct BwdParams {
   float scale = 1.0f;
   float softcap = 0.0f;
   MaskParams mask;
+  DropoutParams dropout;
 };
 
 }  // namespace jaxflash

@@ -51,21 +51,22 @@ def _attrs(cfg) -> dict:
     """Typed FFI attributes of a `_vjp.Config` (np.float32 for `.Attr<float>`: a Python float is f64)."""
     return dict(scale=np.float32(cfg.scale), softcap=np.float32(cfg.softcap), window_left=int(cfg.window_left),
                 window_right=int(cfg.window_right), bottom_right=bool(cfg.bottom_right),
-                segment_ids=bool(cfg.segment_ids), lengths=bool(cfg.lengths))
+                segment_ids=bool(cfg.segment_ids), lengths=bool(cfg.lengths),
+                dropout_rate=np.float32(cfg.dropout_rate))
 
 
-def fwd(q, k, v, mask_arrays, cfg):
-    """(q, k, v, (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)) -> (o, lse)."""
+def fwd(q, k, v, operands, cfg):
+    """(q, k, v, (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, dropout_state)) -> (o, lse)."""
     call = jax.ffi.ffi_call("jaxflash_fwd", (_typeof(q), _stat_type(q)), vmap_method="broadcast_all")
-    return call(q, k, v, *mask_arrays, **_attrs(cfg))
+    return call(q, k, v, *operands, **_attrs(cfg))
 
 
-def bwd(do, q, k, v, o, lse, dlse, mask_arrays, cfg):
-    """(do, q, k, v, o, lse, dlse, mask arrays) -> (dq, dk, dv); dlse is the cotangent of lse. The kernel's
+def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
+    """(do, q, k, v, o, lse, dlse, the operands of fwd) -> (dq, dk, dv); dlse is the cotangent of lse. The kernel's
     fp32 workspaces (dq accumulator, rowsum(dO * O) - dlse) are extra outputs owned by XLA, dropped here."""
     out_types = (_typeof(q), _typeof(k), _typeof(v), _f32_like(q), _stat_type(q))
     call = jax.ffi.ffi_call("jaxflash_bwd", out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _, _ = call(do, q, k, v, o, lse, dlse, *mask_arrays, **_attrs(cfg),
+    dq, dk, dv, _, _ = call(do, q, k, v, o, lse, dlse, *operands, **_attrs(cfg),
                             deterministic=bool(cfg.deterministic))
     return dq, dk, dv
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, _vjp, reference
+from . import _ffi, _vjp, dropout, reference
 
 MAX_HEAD_DIM = 256
 BACKENDS = (None, "cpu", "cuda", "reference")
@@ -16,8 +16,9 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def attention(query, key, value, *, causal: bool = False, window=None, q_segment_ids=None, kv_segment_ids=None,
-              q_lengths=None, kv_lengths=None, softcap: float | None = None, scale: float | None = None,
-              return_lse: bool = False, deterministic: bool = False, backend: str | None = None):
+              q_lengths=None, kv_lengths=None, softcap: float | None = None, dropout_rate: float = 0.0,
+              dropout_key=None, scale: float | None = None, return_lse: bool = False, deterministic: bool = False,
+              backend: str | None = None):
     """FlashAttention-2: softmax(scale * Q K^T) V without materialising the score matrix.
 
     Args:
@@ -40,6 +41,13 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
       q_lengths, kv_lengths: int ``[...]`` (one per batch element): keys at or past ``kv_lengths`` are
         invisible; query rows at or past ``q_lengths`` return 0 (LSE ``-inf``) and get zero gradients.
       softcap: ``c > 0``: scores become ``c * tanh(s / c)`` before the softmax (exact backward).
+      dropout_rate, dropout_key: dropout of the attention probabilities inside the kernels, ``0 <= rate < 1``,
+        drawn from the JAX PRNG key ``dropout_key`` (required when the rate is positive). Kept probabilities
+        are scaled by ``1 / (1 - rate)``; the LSE is that of the undropped softmax. The keep decision of element
+        (batch, head, row, column) is a pure function of the key and those indices (Philox4x32-10, see
+        `jaxflash.dropout_mask`), so the backward pass redraws exactly the forward's mask and the result does
+        not depend on tiling or on vmap over the other inputs. Batch indices count the flattened leading dims
+        of one call: inside ``shard_map`` fold the shard index into the key.
       scale: multiplies the scores; defaults to ``1 / sqrt(D)``. Must be finite and positive.
       return_lse: also return the log-sum-exp of the (capped, masked) scores, ``[..., Hq, Sq]`` float32
         (natural log). It is differentiable.
@@ -57,12 +65,12 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
     """
     return _attention(query, key, value, causal=causal, window=window, q_segment_ids=q_segment_ids,
                       kv_segment_ids=kv_segment_ids, q_lengths=q_lengths, kv_lengths=kv_lengths, softcap=softcap,
-                      scale=scale, return_lse=return_lse, deterministic=deterministic, backend=backend,
-                      bottom_right=True)
+                      dropout_rate=dropout_rate, dropout_key=dropout_key, scale=scale, return_lse=return_lse,
+                      deterministic=deterministic, backend=backend, bottom_right=True)
 
 
 def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
-               softcap, scale, return_lse, deterministic, backend, bottom_right):
+               softcap, dropout_rate, dropout_key, scale, return_lse, deterministic, backend, bottom_right):
     """`attention` with the causal diagonal's alignment as a parameter (bottom_right=False: jax.nn's
     top-left alignment, for the drop-in)."""
     _check_arrays(query, key, value)
@@ -76,17 +84,19 @@ def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_i
     bottom_right = bottom_right or sq == sk  # the two alignments coincide
     seg = _check_segment_ids(q_segment_ids, kv_segment_ids, lead, sq, sk)
     lengths = _check_lengths(q_lengths, kv_lengths, lead, sq, sk)
+    dropout_rate, key_words = _check_dropout(dropout_rate, dropout_key)
     backend = _resolve_backend(backend, query)
-    if backend == "cuda" and (seg or lengths or softcap or left >= 0 or right > 0 or not bottom_right):
-        _fail(NotImplementedError, "the CUDA kernels support no mask but causal=True yet; segment ids, lengths, "
-                                   "softcap and windows run on the CPU kernel (inputs on the CPU) or with "
-                                   "backend='reference'")
+    if backend == "cuda" and (seg or lengths or softcap or left >= 0 or right > 0 or not bottom_right or dropout_rate):
+        _fail(NotImplementedError, "the CUDA kernels support no mask but causal=True and no dropout yet; segment "
+                                   "ids, lengths, softcap, windows and dropout run on the CPU kernel (inputs on the "
+                                   "CPU) or with backend='reference'")
 
     if backend == "reference":
         out, lse = reference.attention_with_lse(
             query, key, value, scale=scale, softcap=softcap or None, window=(left, right), bottom_right=bottom_right,
             q_segment_ids=seg[0] if seg else None, kv_segment_ids=seg[1] if seg else None,
-            q_lengths=lengths[0] if lengths else None, kv_lengths=lengths[1] if lengths else None)
+            q_lengths=lengths[0] if lengths else None, kv_lengths=lengths[1] if lengths else None,
+            dropout_rate=dropout_rate, dropout_key=key_words)
     elif 0 in query.shape or 0 in key.shape:
         # Nothing to compute (or nothing to attend to): zeros and -inf, without launching a kernel.
         out = jnp.zeros(query.shape, query.dtype)
@@ -97,8 +107,8 @@ def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_i
         len_ops = lengths or (jnp.full(lead, sq, jnp.int32), jnp.full(lead, sk, jnp.int32))
         cfg = _vjp.Config(scale=scale, softcap=softcap, window_left=left, window_right=right,
                           bottom_right=bottom_right, segment_ids=seg is not None, lengths=lengths is not None,
-                          deterministic=deterministic)
-        out, lse = _vjp.flash(query, key, value, (*seg_ops, *len_ops), cfg)
+                          dropout_rate=dropout_rate, deterministic=deterministic)
+        out, lse = _vjp.flash(query, key, value, (*seg_ops, *len_ops, _dropout_state(key_words, lead)), cfg)
     return (out, lse) if return_lse else out
 
 
@@ -195,6 +205,37 @@ def _check_window(window, causal):
     if causal:
         right = 0 if right < 0 else min(right, 0)
     return left, right
+
+
+def _check_dropout(rate, key):
+    """(rate as a float, the key's two uint32 words or None)."""
+    if isinstance(rate, jax.core.Tracer):
+        _fail(TypeError, "dropout_rate must be a static Python number, not a traced value")
+    try:
+        value = float(rate)
+    except (TypeError, ValueError):
+        _fail(TypeError, f"dropout_rate must be a number; got {rate!r}")
+    if not 0.0 <= value < 1.0:
+        _fail(ValueError, f"dropout_rate must be in [0, 1); got {rate!r}")
+    if value == 0.0:
+        return 0.0, None
+    if key is None:
+        _fail(ValueError, f"dropout_rate={value} needs a dropout_key (a JAX PRNG key); got None")
+    try:
+        words = dropout.key_words(key)
+    except (TypeError, ValueError) as e:
+        _fail(ValueError, f"dropout_key must be a JAX PRNG key with two 32-bit words; {e}")
+    return value, words
+
+
+def _dropout_state(words, lead):
+    """[..., 3] uint32 operand: the key's words and each batch element's index in the flattened leading dims.
+    Under vmap it is broadcast with the other operands, so every vmapped call draws the same mask."""
+    n = int(np.prod(lead, dtype=np.int64))
+    index = jnp.arange(n, dtype=jnp.uint32).reshape(lead + (1,))
+    if words is None:
+        words = jnp.zeros((2,), jnp.uint32)
+    return jnp.concatenate([jnp.broadcast_to(words, lead + (2,)), index], axis=-1)
 
 
 def _int_array(name, x, shape):

@@ -4,6 +4,9 @@ full [..., H, Sq, Sk] score matrix and mask, so it is the oracle for tests and b
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
+
+from .dropout import dropout_mask
 
 
 def visible(sq: int, sk: int, *, causal: bool = False, window=None, bottom_right: bool = True,
@@ -39,8 +42,10 @@ def _window(window, causal):
 
 def attention_with_lse(query, key, value, *, causal: bool = False, scale: float | None = None, window=None,
                        softcap: float | None = None, bottom_right: bool = True, q_segment_ids=None,
-                       kv_segment_ids=None, q_lengths=None, kv_lengths=None):
-    """Returns (out, lse) computed in the inputs' dtype; rows that see no key give 0 and -inf."""
+                       kv_segment_ids=None, q_lengths=None, kv_lengths=None, dropout_rate: float = 0.0,
+                       dropout_key=None):
+    """Returns (out, lse) computed in the inputs' dtype; rows that see no key give 0 and -inf. Dropout uses
+    `jaxflash.dropout.dropout_mask`, the kernels' rule; the LSE is that of the undropped softmax."""
     d = query.shape[-1]
     scale = d ** -0.5 if scale is None else scale
     group = query.shape[-2] // key.shape[-2]
@@ -58,6 +63,10 @@ def attention_with_lse(query, key, value, *, causal: bool = False, scale: float 
     e = jnp.exp(s - m)
     l = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(l > 0, l, 1).astype(l.dtype)
+    if dropout_rate > 0:
+        lead, (h, sq, sk) = query.shape[:-3], p.shape[-3:]
+        keep = dropout_mask(dropout_key, int(np.prod(lead, dtype=np.int64)), h, sq, sk, dropout_rate)
+        p = jnp.where(keep.reshape(lead + (h, sq, sk)), p / jnp.asarray(1 - dropout_rate, p.dtype), 0)
     out = jnp.einsum("...hqk,...khd->...qhd", p, v).astype(query.dtype)
     l32 = l[..., 0].astype(jnp.float32)
     lse = jnp.where(l32 > 0, jnp.log(jnp.where(l32 > 0, l32, 1)) + m[..., 0].astype(jnp.float32), -jnp.inf)
@@ -66,9 +75,10 @@ def attention_with_lse(query, key, value, *, causal: bool = False, scale: float 
 
 def attention(query, key, value, *, causal: bool = False, scale: float | None = None, window=None,
               softcap: float | None = None, q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-              kv_lengths=None, return_lse: bool = False):
+              kv_lengths=None, dropout_rate: float = 0.0, dropout_key=None, return_lse: bool = False):
     """Reference attention; see `jaxflash.attention` for shapes and semantics."""
     out, lse = attention_with_lse(query, key, value, causal=causal, scale=scale, window=window, softcap=softcap,
                                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                  q_lengths=q_lengths, kv_lengths=kv_lengths)
+                                  q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
+                                  dropout_key=dropout_key)
     return (out, lse) if return_lse else out

@@ -30,11 +30,12 @@ def visible_mask(sq: int, sk: int, causal: bool = False, *, window=None, bottom_
     return mask
 
 
-def attention(q, k, v, *, causal=False, scale=None, do=None, softcap=None, **mask_kwargs):
+def attention(q, k, v, *, causal=False, scale=None, do=None, softcap=None, keep=None, rate=0.0, **mask_kwargs):
     """q [..., Sq, Hq, D], k/v [..., Sk, Hk, D] -> (o, lse) and, when `do` is given, (dq, dk, dv).
 
     All math in float64. Rows that see no key give o = 0, lse = -inf, zero gradients. `mask_kwargs`: the
-    keywords of `visible_mask` (window, bottom_right, segment ids, lengths)."""
+    keywords of `visible_mask` (window, bottom_right, segment ids, lengths). `keep` (bool [..., Hq, Sq, Sk])
+    and `rate`: dropout, kept probabilities scaled by 1 / (1 - rate); the lse is the undropped one."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
@@ -56,19 +57,20 @@ def attention(q, k, v, *, causal=False, scale=None, do=None, softcap=None, **mas
     e = np.exp(s - m_safe)
     l = e.sum(-1, keepdims=True)
     p = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
-    o = np.swapaxes(p @ vt, -2, -3)
+    z = 1.0 if keep is None else np.asarray(keep, np.float64) / (1.0 - rate)
+    o = np.swapaxes((p * z) @ vt, -2, -3)
     with np.errstate(divide="ignore"):
         lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m_safe[..., 0], -np.inf)
     if do is None:
         return o, lse
     dot = np.swapaxes(np.asarray(do, np.float64), -2, -3)
-    dp = dot @ np.swapaxes(vt, -1, -2)
+    dp = (dot @ np.swapaxes(vt, -1, -2)) * z
     ds = p * (dp - (dp * p).sum(-1, keepdims=True))
     if t is not None:
         ds = ds * (1 - t * t)
     dq = np.swapaxes(ds @ kt, -2, -3) * scale
     dkr = np.swapaxes(np.swapaxes(ds, -1, -2) @ qt, -2, -3) * scale  # [..., Sk, Hq, D]
-    dvr = np.swapaxes(np.swapaxes(p, -1, -2) @ dot, -2, -3)
+    dvr = np.swapaxes(np.swapaxes(p * z, -1, -2) @ dot, -2, -3)
     shape_k = k.shape[:-2] + (hk, g, d)
     dk = dkr.reshape(shape_k).sum(-2)
     dv = dvr.reshape(shape_k).sum(-2)

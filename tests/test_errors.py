@@ -60,6 +60,13 @@ CASES = [
      r"kv_lengths must have shape \(2,\); got \(2, 1\)"),
     ("negative lengths", (Q, K, K), {"q_lengths": jnp.array([3, -1], jnp.int32)}, ValueError,
      r"q_lengths must be >= 0; got -1"),
+    ("dropout rate 1", (Q, K, K), {"dropout_rate": 1.0, "dropout_key": jax.random.key(0)}, ValueError,
+     r"dropout_rate must be in \[0, 1\); got 1.0"),
+    ("dropout rate negative", (Q, K, K), {"dropout_rate": -0.1}, ValueError, r"dropout_rate must be in \[0, 1\)"),
+    ("dropout rate string", (Q, K, K), {"dropout_rate": "x"}, TypeError, r"dropout_rate must be a number; got 'x'"),
+    ("dropout without key", (Q, K, K), {"dropout_rate": 0.1}, ValueError, r"dropout_rate=0.1 needs a dropout_key"),
+    ("dropout bad key", (Q, K, K), {"dropout_rate": 0.1, "dropout_key": jnp.zeros((3,), jnp.uint32)}, ValueError,
+     r"dropout_key must be a JAX PRNG key with two 32-bit words.*shape \(3,\)"),
     ("backend", (Q, K, K), {"backend": "tpu"}, ValueError, r"backend must be one of .*got 'tpu'"),
 ]
 
@@ -73,6 +80,11 @@ def test_validation(args, kwargs, exc, match):
 def test_traced_scale_is_rejected():
     with pytest.raises(TypeError, match="scale must be a static Python number"):
         jax.jit(lambda s: jaxflash.attention(Q, K, K, scale=s))(0.5)
+
+
+def test_traced_dropout_rate_is_rejected():
+    with pytest.raises(TypeError, match="dropout_rate must be a static Python number"):
+        jax.jit(lambda r: jaxflash.attention(Q, K, K, dropout_rate=r, dropout_key=jax.random.key(0)))(0.5)
 
 
 def test_cuda_backend_without_gpu():
@@ -94,18 +106,19 @@ def test_errors_raise_at_trace_time_under_jit():
 
 # The handlers re-check what the Python layer already checked: a direct FFI call with bad shapes or
 # attributes must come back as an error, never a crash.
-def raw_fwd(q, k, v, *, seg=None, lengths=None, **attrs):
+def raw_fwd(q, k, v, *, seg=None, lengths=None, state=None, **attrs):
     lead = q.shape[:-3] if q.ndim >= 3 else ()
     sq = q.shape[-3] if q.ndim >= 3 else 1
     sk = k.shape[-3] if k.ndim >= 3 else 1
     seg = seg or (jnp.zeros(lead + (sq,), jnp.int32), jnp.zeros(lead + (sk,), jnp.int32))
     lengths = lengths or (jnp.zeros(lead, jnp.int32), jnp.zeros(lead, jnp.int32))
+    state = jnp.zeros(lead + (3,), jnp.uint32) if state is None else state
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(lead + (q.shape[-2], sq) if q.ndim >= 3 else (1,), jnp.float32))
     kw = dict(scale=np.float32(1.0), softcap=np.float32(0.0), window_left=-1, window_right=-1, bottom_right=True,
-              segment_ids=False, lengths=False)
+              segment_ids=False, lengths=False, dropout_rate=np.float32(0))
     kw.update(attrs)
-    return jax.block_until_ready(jax.ffi.ffi_call("jaxflash_fwd", out_types)(q, k, v, *seg, *lengths, **kw))
+    return jax.block_until_ready(jax.ffi.ffi_call("jaxflash_fwd", out_types)(q, k, v, *seg, *lengths, state, **kw))
 
 
 @pytest.mark.parametrize("q,k,v,kwargs,match", [
@@ -120,6 +133,8 @@ def raw_fwd(q, k, v, *, seg=None, lengths=None, **attrs):
      r"q_segment_ids must have shape \[2, 8\]; got \[2, 7\]"),
     (Q, K, K, {"lengths": (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32))},
      r"q_lengths must have shape \[2\]; got \[3\]"),
+    (Q, K, K, {"dropout_rate": np.float32(1.5)}, r"dropout_rate must be in \[0, 1\); got 1.5"),
+    (Q, K, K, {"state": jnp.zeros((2, 2), jnp.uint32)}, r"dropout_state must have shape \[2, 3\]; got \[2, 2\]"),
 ])
 def test_handler_rejects_bad_input(q, k, v, kwargs, match):
     with pytest.raises(Exception, match="jaxflash_fwd: .*" + match):

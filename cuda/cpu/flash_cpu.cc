@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "mask.h"
+#include "philox.h"
 
 namespace jaxflash::cpu {
 namespace {
@@ -220,6 +221,17 @@ void Scores(Tile& q, Tile& kt, int64_t rows, int64_t cols, int64_t d, int64_t ro
       if (!is_visible(mask, row0 + r, col0 + c)) s.row(r)[c] = kNegInf;
 }
 
+// x[c] *= keep(row, col0 + c) / (1 - rate) for c < cols: dropout of one row of probabilities. One Philox
+// call serves four adjacent columns (philox.h).
+void ApplyDropout(const DropoutDraw& d, float inv_keep, uint32_t head, uint32_t row, int64_t col0, int64_t cols,
+                  float* x) {
+  for (int64_t c = 0; c < cols;) {
+    const int64_t group = (col0 + c) >> 2;
+    const uint32_t bits = dropout_keep4(d, head, row, uint32_t(group));
+    for (; c < cols && ((col0 + c) >> 2) == group; ++c) x[c] *= ((bits >> ((col0 + c) & 3)) & 1u) ? inv_keep : 0.f;
+  }
+}
+
 // Rows [row0, row0 + rows) clipped to the element's valid rows (those below q_len); may be empty.
 int64_t ValidRows(const BatchMask& mask, int64_t row0, int64_t rows) {
   return std::clamp<int64_t>(mask.q_len - row0, 0, rows);
@@ -277,6 +289,9 @@ void ForwardImpl(const FwdParams& p) {
     const int64_t row0 = qb * br, rows = std::min(br, dm.seqlen_q - row0);
     const BatchMask mask = batch_mask(p.mask, b, dm.seqlen_q, dm.seqlen_k);
     const int64_t valid = ValidRows(mask, row0, rows);  // rows past q_len keep l = 0: O = 0, LSE = -inf
+    const bool dropout = p.dropout.rate > 0.f;
+    const DropoutDraw draw = dropout ? dropout_draw(p.dropout, b) : DropoutDraw{};
+    const float inv_keep = 1.f / (1.f - p.dropout.rate);
     const T* qp = q + b * dm.q_batch_stride() + row0 * dm.q_row_stride() + h * D;
     const T* kp = k + b * dm.k_batch_stride() + hk * D;
     const T* vp = v + b * dm.k_batch_stride() + hk * D;
@@ -304,7 +319,8 @@ void ForwardImpl(const FwdParams& p) {
           continue;
         }
         const float alpha = Exp(w.m[r] - m_new);  // 0 on the first visible block (m = -inf)
-        const float sum = ExpShiftSum(srow, cols, m_new);
+        const float sum = ExpShiftSum(srow, cols, m_new);  // l sums the probabilities before dropout
+        if (dropout) ApplyDropout(draw, inv_keep, uint32_t(h), uint32_t(row0 + r), col0, cols, srow);
         float* orow = w.o.row(r);
         for (int64_t c = 0; c < D; ++c) orow[c] *= alpha;
         w.l[r] = w.l[r] * alpha + sum;
@@ -329,18 +345,34 @@ void ForwardImpl(const FwdParams& p) {
 // P and dS of one tile from recomputed scores (K and V given transposed); P lands in `p`, dS in `ds`.
 // q is pre-scaled, so dS here is d(loss)/d(scaled S); with a softcap it goes through
 // d(cap tanh(s / cap))/ds = 1 - tanh^2.
+//
+// With dropout (keep mask Z, kept values scaled by 1 / (1 - rate)): O = (P * Z') V, so dV uses P * Z', dP is
+// dO V^T * Z', and dS = P (dP - delta) as without; `p` then holds P * Z' for dV.
+struct Dropout {
+  bool on;
+  DropoutDraw draw;
+  float inv_keep;
+  uint32_t head;
+};
+
 void ProbsAndGrads(Tile& q, Tile& kt, Tile& vt, Tile& dout, const float* lse, const float* delta, int64_t rows,
                    int64_t cols, int64_t D, int64_t row0, int64_t col0, const BatchMask& mask, bool full,
-                   float softcap, Tile& p, Tile& ds) {
+                   float softcap, const Dropout& dropout, Tile& p, Tile& ds, float* z) {
   Scores(q, kt, rows, cols, D, row0, col0, mask, full, softcap, p);
   Gemm(dout.ptr(), dout.ld, vt.ptr(), vt.ld, ds.ptr(), ds.ld, rows, cols, D, false);  // dP = dO V^T
   for (int64_t r = 0; r < rows; ++r) {
     float* prow = p.row(r);
     float* dsrow = ds.row(r);
+    if (dropout.on) {
+      std::fill(z, z + cols, 1.f);
+      ApplyDropout(dropout.draw, dropout.inv_keep, dropout.head, uint32_t(row0 + r), col0, cols, z);
+    }
     for (int64_t c = 0; c < cols; ++c) {
       const float s = prow[c];
       prow[c] = (lse[r] == kNegInf || s == kNegInf) ? 0.f : Exp(s - lse[r]);
-      dsrow[c] = prow[c] == 0.f ? 0.f : prow[c] * (dsrow[c] - delta[r]);
+      const float dp = dropout.on ? dsrow[c] * z[c] : dsrow[c];
+      dsrow[c] = prow[c] == 0.f ? 0.f : prow[c] * (dp - delta[r]);
+      if (dropout.on) prow[c] *= z[c];
       if (softcap > 0.f && dsrow[c] != 0.f) {
         const float t = s / softcap;
         dsrow[c] *= 1.f - t * t;
@@ -378,11 +410,16 @@ void BackwardImpl(const BwdParams& p) {
 
   struct Scratch {
     Tile q, dout, kt, vt, k, p, ds, t, acc_a, acc_b;
+    std::vector<float> z;  // one row of dropout factors
   };
   auto make_scratch = [&] {
     const int64_t n = std::max(br, bc);
     return Scratch{Tile(br, D), Tile(br, D), Tile(D, bc), Tile(D, bc), Tile(bc, D), Tile(br, bc), Tile(br, bc),
-                   Tile(n, n), Tile(n, D), Tile(n, D)};
+                   Tile(n, n), Tile(n, D), Tile(n, D), std::vector<float>(bc)};
+  };
+  auto dropout_of = [&](int64_t b, int64_t h) {
+    const bool on = p.dropout.rate > 0.f;
+    return Dropout{on, on ? dropout_draw(p.dropout, b) : DropoutDraw{}, 1.f / (1.f - p.dropout.rate), uint32_t(h)};
   };
 
   // Pass 1: dK, dV per (batch, key head, key block), summed over the query heads of the group.
@@ -411,7 +448,7 @@ void BackwardImpl(const BwdParams& p) {
         LoadTile(tag, dout + q_off(b, row0, h), rows, D, dm.q_row_stride(), 1.f, w.dout);
         const bool full = block_fully_visible(mask, row0, row0 + rows, col0, col0 + cols);
         ProbsAndGrads(w.q, w.kt, w.vt, w.dout, p.lse + stat_off(b, h, row0), p.delta + stat_off(b, h, row0), rows,
-                      cols, D, row0, col0, mask, full, p.softcap, w.p, w.ds);
+                      cols, D, row0, col0, mask, full, p.softcap, dropout_of(b, h), w.p, w.ds, w.z.data());
         Transpose(w.p, rows, cols, w.t);
         Gemm(w.t.ptr(), w.t.ld, w.dout.ptr(), w.dout.ld, dv.ptr(), dv.ld, cols, D, rows, true);  // dV += P^T dO
         Transpose(w.ds, rows, cols, w.t);
@@ -452,7 +489,7 @@ void BackwardImpl(const BwdParams& p) {
       LoadTile(tag, k + k_off(b, col0, hk), cols, D, dm.k_row_stride(), 1.f, w.k);
       const bool full = block_fully_visible(mask, row0, row0 + valid, col0, col0 + cols);
       ProbsAndGrads(w.q, w.kt, w.vt, w.dout, p.lse + stat_off(b, h, row0), p.delta + stat_off(b, h, row0), valid,
-                    cols, D, row0, col0, mask, full, p.softcap, w.p, w.ds);
+                    cols, D, row0, col0, mask, full, p.softcap, dropout_of(b, h), w.p, w.ds, w.z.data());
       Gemm(w.ds.ptr(), w.ds.ld, w.k.ptr(), w.k.ld, dq.ptr(), dq.ld, valid, D, cols, true);  // dQ += dS K
     }
     T* dqp = static_cast<T*>(p.dq) + q_off(b, row0, h);

@@ -1,0 +1,66 @@
+"""Dropout of the attention probabilities: the keep mask as the kernels draw it, in plain JAX.
+
+Element (batch b, head h, query row i, key column j) is kept iff word j % 4 of
+Philox4x32-10(counter = (j // 4, i, h, b), key = the two words of the JAX key) is at least
+floor(rate * 2**32) (rate rounded to float32 first, as the kernels receive it). Kept probabilities are
+scaled by 1 / (1 - rate). The same rule is written once in C++ (cuda/philox.h) for the kernels; this is the
+independent Python twin used by `backend="reference"` and the tests.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_M0, _M1 = np.uint32(0xD2511F53), np.uint32(0xCD9E8D57)
+_W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+
+
+def _mulhilo(a, b):
+    """(hi, lo) words of the 64-bit product of uint32 a and b, with 32-bit arithmetic only."""
+    a, b = jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32)
+    mask = jnp.uint32(0xFFFF)
+    a0, a1, b0, b1 = a & mask, a >> 16, b & mask, b >> 16
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> 16) + (p01 & mask) + (p10 & mask)
+    return p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16), a * b
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of counter words (c0..c3) and key words (k0, k1), broadcasting over arrays."""
+    c = [jnp.asarray(x, jnp.uint32) for x in (c0, c1, c2, c3)]
+    k0, k1 = jnp.asarray(k0, jnp.uint32), jnp.asarray(k1, jnp.uint32)
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_M0, c[0])
+        hi1, lo1 = _mulhilo(_M1, c[2])
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        k0, k1 = k0 + _W0, k1 + _W1
+    return c
+
+
+def key_words(key):
+    """The two uint32 words of a JAX PRNG key (a typed threefry key or a legacy uint32[2] key)."""
+    if jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    key = jnp.asarray(key)
+    if key.dtype != jnp.uint32 or key.shape != (2,):
+        raise ValueError("jaxflash: dropout_key must be a JAX PRNG key with two 32-bit words (threefry, the "
+                         f"default); got an array of shape {key.shape} and dtype {key.dtype}")
+    return key
+
+
+def threshold(rate: float) -> int:
+    """floor(rate * 2**32) of the float32 rate, exactly as the kernels compute it."""
+    return int(float(np.float32(rate)) * 4294967296.0)
+
+
+def dropout_mask(key, batch: int, heads: int, q_len: int, k_len: int, rate: float):
+    """The keep mask the kernels draw: bool [batch, heads, q_len, k_len] (True = kept)."""
+    words = key_words(key)
+    b = jnp.arange(batch, dtype=jnp.uint32)[:, None, None, None]
+    h = jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None]
+    i = jnp.arange(q_len, dtype=jnp.uint32)[None, None, :, None]
+    j = jnp.arange(k_len, dtype=jnp.uint32)[None, None, None, :]
+    r = philox4x32_10(j >> 2, i, h, b, words[0], words[1])
+    word = jnp.where((j & 3) == 0, r[0], jnp.where((j & 3) == 1, r[1], jnp.where((j & 3) == 2, r[2], r[3])))
+    return word >= jnp.uint32(threshold(rate))

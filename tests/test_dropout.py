@@ -1,0 +1,139 @@
+"""Dropout inside the kernels: the Philox stream against its published known answers, the mask's
+statistics, and forward/backward against the float64 oracle that applies `jaxflash.dropout_mask`."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+import oracle
+from conftest import DTYPES, check_close, make_inputs
+from jaxflash import _jaxflash_cpu
+from jaxflash.dropout import philox4x32_10
+
+# Random123's known-answer vectors for Philox4x32-10 (counter, key, output).
+KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+       ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD))]
+
+
+@pytest.mark.parametrize("ctr,key,out", KAT)
+def test_philox_known_answers(ctr, key, out):
+    assert tuple(_jaxflash_cpu.philox4x32_10(*ctr, *key)) == out  # the kernels' C++ (cuda/philox.h)
+    assert tuple(int(w) for w in philox4x32_10(*ctr, *key)) == out  # the JAX twin (dropout_mask)
+
+
+def test_cpp_and_jax_philox_agree_on_random_counters():
+    rng = np.random.default_rng(0)
+    for words in rng.integers(0, 2**32, (50, 6), dtype=np.uint64):
+        assert tuple(_jaxflash_cpu.philox4x32_10(*map(int, words))) == tuple(
+            int(w) for w in philox4x32_10(*map(int, words)))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_keep_rate_within_binomial_bounds(rate):
+    m = np.asarray(jaxflash.dropout_mask(jax.random.key(3), 2, 4, 256, 257, rate))
+    n = m.size
+    sd = np.sqrt(n * rate * (1 - rate))
+    assert abs(m.sum() - n * (1 - rate)) < 5 * sd
+
+
+def test_no_correlation_between_neighbours():
+    m = np.asarray(jaxflash.dropout_mask(jax.random.key(4), 1, 2, 512, 512, 0.5), np.float64) - 0.5
+    n = m[..., :, 1:].size
+    bound = 5 * 0.25 / np.sqrt(n)  # 5 sigma of the mean of n products of independent +-1/2 variables
+    for a, b in [(m[..., :, 1:], m[..., :, :-1]), (m[..., 1:, :], m[..., :-1, :]), (m[:, 1:], m[:, :-1])]:
+        assert abs(np.mean(a * b)) < max(bound, 5 * 0.25 / np.sqrt(a.size))
+    # Columns 4c..4c+3 come from one Philox call: they must not be correlated either.
+    assert abs(np.mean(m[..., 0::4] * m[..., 1::4])) < 5 * 0.25 / np.sqrt(m[..., 0::4].size)
+
+
+CASES = [  # (Sq, Sk, Hq, Hk, D, causal, dtype, rate)
+    (113, 255, 4, 2, 40, False, "float32", 0.1),
+    (255, 113, 4, 4, 64, True, "bfloat16", 0.3),
+    (64, 64, 8, 1, 16, True, "float16", 0.5),
+    (1, 17, 4, 2, 32, False, "float32", 0.9),
+    (301, 301, 2, 1, 128, True, "float32", 0.2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_dropout_matches_oracle(case):
+    sq, sk, hq, hk, d, causal, dtype, rate = case
+    q, k, v, do = make_inputs(len(str(case)), (2,), sq, sk, hq, hk, d, DTYPES[dtype])
+    key = jax.random.key(sq * 1000 + sk)
+
+    def run(backend):
+        f = lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, dropout_rate=rate, dropout_key=key,
+                                               return_lse=True, backend=backend)
+        (o, lse), vjp = jax.vjp(f, q, k, v)
+        return (o, lse, *vjp((do, jnp.zeros_like(lse))))
+
+    got = jax.jit(lambda *a: run("cpu"))(q, k, v)
+    naive = run("reference")
+    keep = np.asarray(jaxflash.dropout_mask(key, 2, hq, sq, sk, rate))
+    as64 = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, do)]
+    ref = oracle.attention(*as64[:3], do=as64[3], causal=causal, keep=keep, rate=rate)
+    for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
+        check_close(name, g, r, n, dtype, str(case))
+
+
+def test_dropout_with_masks_matches_oracle():
+    q, k, v, do = make_inputs(21, (2,), 70, 90, 4, 2, 24, DTYPES["float32"])
+    key, rate = jax.random.key(5), 0.25
+    kw = dict(window=(30, 5), softcap=3.0, kv_lengths=jnp.array([90, 41], jnp.int32))
+    f = lambda q, k, v: jaxflash.attention(q, k, v, dropout_rate=rate, dropout_key=key, **kw)
+    o, vjp = jax.vjp(f, q, k, v)
+    grads = vjp(do)
+    keep = np.asarray(jaxflash.dropout_mask(key, 2, 4, 70, 90, rate))
+    ref = oracle.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), do=np.asarray(do), keep=keep, rate=rate,
+                           window=(30, 5), softcap=3.0, kv_lengths=np.array([90, 41]))
+    for g, r in zip((o, *grads), (ref[0], *ref[2:])):
+        np.testing.assert_allclose(np.asarray(g), r, atol=5e-5)
+
+
+def test_rate_zero_is_bitwise_no_dropout():
+    q, k, v, do = make_inputs(22, (2,), 50, 60, 4, 2, 32, DTYPES["bfloat16"])
+    a = jaxflash.attention(q, k, v, causal=True)
+    b = jaxflash.attention(q, k, v, causal=True, dropout_rate=0.0, dropout_key=jax.random.key(1))
+    assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_same_key_same_result_and_keys_differ():
+    q, k, v, do = make_inputs(23, (2,), 40, 40, 2, 2, 16, DTYPES["float32"])
+    f = lambda key: jax.grad(lambda q: jnp.sum(jaxflash.attention(q, k, v, dropout_rate=0.4, dropout_key=key) * do))(q)
+    a, b, c = f(jax.random.key(1)), f(jax.random.key(1)), f(jax.random.key(2))
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not np.allclose(np.asarray(a), np.asarray(c))
+
+
+def test_vmap_over_keys_gives_independent_masks():
+    q, k, v, _ = make_inputs(24, (2,), 30, 30, 2, 1, 16, DTYPES["float32"])
+    keys = jax.random.split(jax.random.key(9), 3)
+    outs = jax.vmap(lambda key: jaxflash.attention(q, k, v, dropout_rate=0.5, dropout_key=key))(keys)
+    for i in range(3):
+        want = jaxflash.attention(q, k, v, dropout_rate=0.5, dropout_key=keys[i])
+        np.testing.assert_allclose(np.asarray(outs[i]), np.asarray(want), atol=1e-6)
+    assert not np.allclose(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
+def test_vmap_over_queries_draws_the_unvmapped_mask():
+    q, k, v, _ = make_inputs(25, (3, 2), 20, 20, 2, 2, 8, DTYPES["float32"])
+    key = jax.random.key(11)
+    outs = jax.vmap(lambda q: jaxflash.attention(q, k[0], v[0], dropout_rate=0.3, dropout_key=key))(q)
+    for i in range(3):
+        want = jaxflash.attention(q[i], k[0], v[0], dropout_rate=0.3, dropout_key=key)
+        np.testing.assert_allclose(np.asarray(outs[i]), np.asarray(want), atol=1e-6)
+
+
+def test_legacy_uint32_key_is_accepted():
+    q, k, v, _ = make_inputs(26, (1,), 8, 8, 1, 1, 8, DTYPES["float32"])
+    a = jaxflash.attention(q, k, v, dropout_rate=0.5, dropout_key=jax.random.PRNGKey(3))
+    b = jaxflash.attention(q, k, v, dropout_rate=0.5, dropout_key=jax.random.key(3))
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+def test_cuda_backend_rejects_dropout():
+    q, k, v, _ = make_inputs(27, (1,), 16, 16, 2, 2, 64, DTYPES["bfloat16"])
+    with pytest.raises(NotImplementedError, match="no dropout yet"):
+        jaxflash.attention(q, k, v, dropout_rate=0.1, dropout_key=jax.random.key(0))
