@@ -8,7 +8,9 @@
 //           (dLSE, the cotangent of the returned LSE, enters because dLSE/dS = P);
 //   pass 2, per (batch, head, query block): dQ += dS K, accumulated in the fp32 workspace dq_accum.
 // Splitting dQ from dK/dV costs one more recompute of P but needs no atomics, so results are
-// deterministic. Layouts and mask rule: params.h, mask.h.
+// deterministic. Masks (mask.h) skip whole K/V blocks where they can and mask single scores on the rest;
+// softcap transforms the scores; dropout (philox.h) scales P after its row sum, in both passes alike.
+// Layouts: params.h.
 #include "cpu/flash_cpu.h"
 
 #include <unistd.h>
