@@ -67,8 +67,8 @@ def run(q, k, v, do, kind, kw, backend):
                 q_lengths=kw.get("q_lengths"), kv_lengths=kw.get("kv_lengths"))
 
     def f(q, k, v):
-        return _attention(q, k, v, **opts, scale=None, return_lse=True, deterministic=False, backend=backend,
-                          bottom_right=not kind.get("top_left", False))
+        return _attention(q, k, v, **opts, dropout_rate=0.0, dropout_key=None, scale=None, return_lse=True,
+                          deterministic=False, backend=backend, bottom_right=not kind.get("top_left", False))
 
     (o, lse), vjp = jax.vjp(f, q, k, v)
     return (o, lse, *vjp((do, jnp.zeros_like(lse))))
