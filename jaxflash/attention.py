@@ -156,15 +156,20 @@ def _check_bool(name, value):
     return bool(value)
 
 
+def _static_number(name, x) -> float:
+    """x as a float; it must be a static Python number, since it is compiled into the kernel call."""
+    if isinstance(x, jax.core.Tracer):
+        _fail(TypeError, f"{name} must be a static Python number, not a traced value")
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        _fail(TypeError, f"{name} must be a number; got {x!r}")
+
+
 def _check_scale(scale, head_dim):
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, jax.core.Tracer):
-        _fail(TypeError, "scale must be a static Python number, not a traced value")
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        _fail(TypeError, f"scale must be a number; got {scale!r}")
+    value = _static_number("scale", scale)
     if not math.isfinite(value) or value <= 0:
         _fail(ValueError, f"scale must be finite and positive; got {scale!r}")
     return value
@@ -174,12 +179,7 @@ def _check_softcap(softcap) -> float:
     """0.0 when off."""
     if softcap is None:
         return 0.0
-    if isinstance(softcap, jax.core.Tracer):
-        _fail(TypeError, "softcap must be a static Python number, not a traced value")
-    try:
-        value = float(softcap)
-    except (TypeError, ValueError):
-        _fail(TypeError, f"softcap must be a number; got {softcap!r}")
+    value = _static_number("softcap", softcap)
     if not math.isfinite(value) or value <= 0:
         _fail(ValueError, f"softcap must be finite and positive (None: off); got {softcap!r}")
     return value
@@ -209,12 +209,7 @@ def _check_window(window, causal):
 
 def _check_dropout(rate, key):
     """(rate as a float, the key's two uint32 words or None)."""
-    if isinstance(rate, jax.core.Tracer):
-        _fail(TypeError, "dropout_rate must be a static Python number, not a traced value")
-    try:
-        value = float(rate)
-    except (TypeError, ValueError):
-        _fail(TypeError, f"dropout_rate must be a number; got {rate!r}")
+    value = _static_number("dropout_rate", rate)
     if not 0.0 <= value < 1.0:
         _fail(ValueError, f"dropout_rate must be in [0, 1); got {rate!r}")
     if value == 0.0:
