@@ -1,13 +1,44 @@
-"""`python -m jaxflash.bench`: time jaxflash against the materialising reference.
+"""`python -m jaxflash.bench`: check, then time, jaxflash against standard attention and its peers.
 
-On the CPU it times the C++ kernel against `jaxflash.reference` on a few shapes, after checking that
-they agree, and prints one `RESULT` line per measurement and a table (ms, GFLOP/s, XLA's temporary
-memory). FLOPs follow the FlashAttention convention: forward 4*B*H*Sq*Sk*D, halved when causal;
-forward+backward 3.5x that. The GPU sweep lives in benchmarks/bench_gpu.py.
+Suites (`--suite`):
+  sweep    shared/BENCH.md's grid: D in {64, 128, 256}, S in {512 .. 16k}, causal off/on, fwd and fwd+bwd, at
+           16k tokens and model width 2048 (B = 16384 / S, H = 2048 / D), plus a GQA shape (Hq=64, Hkv=8, B=2,
+           S=8k) and the long-sequence memory case (B=1, H=16, S=128k fwd / 64k fwd+bwd, jaxflash only).
+           On the CPU: a small sweep against the reference (D=64, H=4, S in {256, 1024, 2048}, float32).
+  targets  the CUDA issues' target shapes, with the target beside each jaxflash number (GPU only).
+  masks    D=128, S=16k: causal, window=(1024, 0), 16 packed documents of 1k tokens, softcap=30, each against
+           the same implementation without a mask (fwd and fwd+bwd).
+  dropout  D=128, S=16k, fwd+bwd with dropout_rate=0.1 against 0.
+  seed     the seed note's comparison: D=128, N in {1k, 8k}: speedup and memory saved over standard attention.
+Implementations: jaxflash; standard attention (`reference`: jaxflash.reference, materialising jnp; `xla`:
+jax.nn.dot_product_attention's XLA path); cuDNN through jax.nn; flash_attn_jax and Pallas Triton when they
+import (GPU). A mask or dropout that an implementation cannot express leaves it out of that row; a feature that
+raises NotImplementedError shows as "n/a (not implemented)".
+
+Method. Before timing, every implementation is checked against a float64 NumPy oracle on a smaller case of the
+same configuration (B=1, S=300, 2 heads or one GQA group, the same head dim, dtype, mask and dropout): max
+|impl - oracle| / max |oracle| over o (and dq, dk, dv for fwd+bwd) must stay under 2e-2 (1e-3 in float32);
+one that fails is not timed and the command exits 1. Timing on a GPU: CUPTI device time
+(jax.experimental.mosaic.gpu.profiler.measure, every kernel of one call summed), `--reps` calls on each of two
+input sets larger than L2, median (without CUPTI: wall time of 2 x reps back-to-back calls and one final
+block_until_ready); on the CPU: median wall time of `--reps` synchronised calls. One fwd+bwd call is a jitted
+forward plus jax.vjp (dq, dk, dv). FLOPs: 4*B*H*Sq*Sk*D times the visible fraction of the score matrix (1/2
+for causal, FlashAttention's convention); fwd+bwd 3.5x that. Peak memory: XLA's buffer assignment of the
+compiled call (arguments + outputs + temporaries - aliased), on every platform: a device's peak
+memory_stats cannot be reset between runs.
+
+`--out DIR` writes results.csv, results.json and tflops.png (TFLOP/s against S per implementation).
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
 import statistics
 import sys
 import time
@@ -18,103 +49,514 @@ import numpy as np
 
 import jaxflash
 
+TOKENS, WIDTH = 16384, 2048
+SUITES = ("sweep", "targets", "masks", "dropout", "seed")
+PASSES = ("fwd", "fwdbwd")
+
+
+# --- what runs --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention configuration, its mask features scaled with S so a small check case keeps their shape."""
+    label: str
+    causal: bool = False
+    window: bool = False  # window=(S // 16, 0): (1024, 0) at S = 16k
+    docs: int = 0  # this many packed documents of S / docs tokens each (segment ids)
+    softcap: float | None = None
+    dropout: float = 0.0
+
+    def kwargs(self, b, s):
+        """Keywords of jaxflash.attention at batch b, length s."""
+        kw = {"causal": self.causal}
+        if self.window:
+            kw["window"] = (s // 16, 0)
+        if self.docs:
+            ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32) * self.docs // s, (b, s))
+            kw.update(q_segment_ids=ids, kv_segment_ids=ids)
+        if self.softcap:
+            kw["softcap"] = self.softcap
+        if self.dropout:
+            kw.update(dropout_rate=self.dropout, dropout_key=jax.random.key(7))
+        return kw
+
+    def density(self, s):
+        """Visible fraction of the S x S scores: the FLOPs that count."""
+        if self.causal:
+            return 0.5
+        if self.window:
+            w = s // 16
+            return (s * (w + 1) - w * (w + 1) / 2) / s**2
+        if self.docs:
+            sizes = np.bincount(np.arange(s) * self.docs // s)
+            return float(np.sum(sizes.astype(np.float64) ** 2)) / s**2
+        return 1.0
+
+
+FULL, CAUSAL = Case("full"), Case("causal", causal=True)
+MASKS = (FULL, CAUSAL, Case("window", window=True), Case("docs", docs=16), Case("softcap", softcap=30.0))
+DROPOUT = Case("dropout", dropout=0.1)
+
+
+def _jax_nn(implementation):
+    def attn(q, k, v, kw):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=kw["causal"], local_window_size=kw.get("window"),
+                                            implementation=implementation)
+    return attn
+
+
+# name -> (attention(q, k, v, kw), the keywords beyond `causal` it can express)
 IMPLS = {
-    "jaxflash": lambda q, k, v, causal: jaxflash.attention(q, k, v, causal=causal),
-    "reference": lambda q, k, v, causal: jaxflash.reference.attention(q, k, v, causal=causal),
+    "jaxflash": (lambda q, k, v, kw: jaxflash.attention(q, k, v, **kw), None),
+    "reference": (lambda q, k, v, kw: jaxflash.reference.attention(q, k, v, **kw), None),
+    "xla": (_jax_nn("xla"), {"window"}),
+    "cudnn": (_jax_nn("cudnn"), {"window"}),
 }
 
 
-def _loss(impl, causal):
-    return lambda q, k, v: jnp.sum(IMPLS[impl](q, k, v, causal).astype(jnp.float32))
-
-
-def make_fn(impl, causal, pass_):
-    if pass_ == "fwd":
-        return jax.jit(lambda q, k, v: IMPLS[impl](q, k, v, causal))
-    return jax.jit(jax.grad(_loss(impl, causal), argnums=(0, 1, 2)))
-
-
-def flops(b, h, s, d, causal, pass_):
-    f = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-    return f * (3.5 if pass_ == "fwdbwd" else 1.0)
-
-
-def time_ms(fn, args, reps):
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), statistics.pstdev(times)
-
-
-def temp_bytes(fn, args):
-    """Bytes of temporaries XLA allocates for the compiled call: the N x N score matrix shows here."""
+def _add_peers():
+    """Peers that import on this machine (GPU only), under their package names."""
     try:
-        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    except Exception:  # memory analysis is not available on every backend/version
+        from flash_attn_jax import flash_mha
+        IMPLS["flash_attn_jax"] = (lambda q, k, v, kw: flash_mha(q, k, v, is_causal=kw["causal"],
+                                                                 window_size=kw.get("window", (-1, -1))), {"window"})
+    except Exception:  # noqa: BLE001  (absent, or built for another jax)
+        pass
+    try:
+        from jax.experimental.pallas.ops.gpu.attention import mha
+        IMPLS["pallas"] = (lambda q, k, v, kw: mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5,
+                                                   causal=kw["causal"]), set())
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def supports(impl, kw):
+    extra = IMPLS[impl][1]
+    return extra is None or set(kw) - {"causal"} <= extra
+
+
+def make_fn(impl, kw, pass_):
+    attn = IMPLS[impl][0]
+    if pass_ == "fwd":
+        return jax.jit(lambda q, k, v: attn(q, k, v, kw))
+
+    def fwd_bwd(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, kw), q, k, v)
+        return (o, *vjp(do))
+
+    return jax.jit(fwd_bwd)
+
+
+def inputs(seed, b, s, hq, hkv, d, dtype, pass_):
+    """Random normal q, k, v (and dO for fwd+bwd), never zeros."""
+    key = jax.random.key(seed)
+    shapes = [(b, s, hq, d), (b, s, hkv, d), (b, s, hkv, d)] + [(b, s, hq, d)] * (pass_ == "fwdbwd")
+    return [jax.random.normal(jax.random.fold_in(key, i), shape, dtype) for i, shape in enumerate(shapes)]
+
+
+def flops(b, h, s, d, density, pass_):
+    return 4 * b * h * s * s * d * density * (3.5 if pass_ == "fwdbwd" else 1.0)
+
+
+# --- correctness ------------------------------------------------------------------------------------------
+
+def oracle(q, k, v, do, *, mask, keep=None, rate=0.0, softcap=None):
+    """float64 NumPy attention, [B, S, H, D] layout, GQA by repetition: [o] or [o, dq, dk, dv] when do is given.
+    mask broadcasts against [B, H, Sq, Sk]; keep (bool, the same shape) is the dropout mask."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, s, hq, d = q.shape
+    g = hq // k.shape[2]
+    qt = q.transpose(0, 2, 1, 3)
+    kt, vt = (np.repeat(x, g, axis=2).transpose(0, 2, 1, 3) for x in (k, v))
+    scale = d ** -0.5
+    sc = qt @ kt.swapaxes(-1, -2) * scale
+    t = None
+    if softcap:
+        t = np.tanh(sc / softcap)
+        sc = softcap * t
+    sc = np.where(mask, sc, -np.inf)
+    m = sc.max(-1, keepdims=True)
+    p = np.exp(sc - np.where(np.isfinite(m), m, 0.0))
+    l = p.sum(-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1.0)
+    z = 1.0 if keep is None else keep / (1.0 - rate)
+    o = (p * z) @ vt
+    if do is None:
+        return [o.transpose(0, 2, 1, 3)]
+    dot = np.asarray(do, np.float64).transpose(0, 2, 1, 3)
+    dp = dot @ vt.swapaxes(-1, -2) * z
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    if t is not None:
+        ds = ds * (1 - t * t)
+    dq = ds @ kt * scale
+    dk = ds.swapaxes(-1, -2) @ qt * scale
+    dv = (p * z).swapaxes(-1, -2) @ dot
+
+    def fold(x):  # [B, Hq, S, D] -> [B, S, Hkv, D], summed over each GQA group
+        return x.transpose(0, 2, 1, 3).reshape(b, x.shape[2], hq // g, g, d).sum(3)
+
+    return [o.transpose(0, 2, 1, 3), dq.transpose(0, 2, 1, 3), fold(dk), fold(dv)]
+
+
+def check_error(impl, case, pass_, hq, hkv, d, dtype):
+    """max |impl - oracle| / max |oracle| over every output, on B=1, S=300 of the same config."""
+    b, s = 1, 300
+    hq, hkv = (2, 2) if hq == hkv else (hq // hkv, 1)
+    args = inputs(99, b, s, hq, hkv, d, dtype, pass_)
+    kw = case.kwargs(b, s)
+    got = make_fn(impl, kw, pass_)(*args)
+    got = [got] if pass_ == "fwd" else list(got)
+    mask = np.asarray(jaxflash.reference.visible(s, s, causal=case.causal, window=kw.get("window"),
+                                                 q_segment_ids=kw.get("q_segment_ids"),
+                                                 kv_segment_ids=kw.get("kv_segment_ids")))
+    keep = None
+    if case.dropout:
+        keep = np.asarray(jaxflash.dropout_mask(kw["dropout_key"], b, hq, s, s, case.dropout))
+    want = oracle(*args[:3], args[3] if pass_ == "fwdbwd" else None, mask=mask, keep=keep, rate=case.dropout,
+                  softcap=case.softcap)
+    return max(float(np.max(np.abs(np.asarray(g, np.float64) - w)) / max(float(np.max(np.abs(w))), 1e-30))
+               for g, w in zip(got, want))
+
+
+# --- measurement ------------------------------------------------------------------------------------------
+
+_CUPTI = None
+
+
+def device_ms(f, sets, reps):
+    """Median time of one call in ms, and the method: CUPTI device time on a GPU (back-to-back wall time where
+    CUPTI is unavailable), synchronised wall time per call on the CPU."""
+    global _CUPTI
+    if jax.default_backend() == "cpu":
+        times = []
+        for args in sets:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*args))
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), "wall"
+    if _CUPTI is None:
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            _, t = profiler.measure(f, iterations=2)(*sets[0])
+            if t is None:
+                raise RuntimeError("measure returned no time")
+            _CUPTI = profiler
+        except Exception as e:  # noqa: BLE001
+            print(f"# CUPTI unavailable ({type(e).__name__}: {e}); timing back-to-back calls", flush=True)
+            _CUPTI = False
+    if _CUPTI:
+        times = []
+        for args in sets:
+            _, t = _CUPTI.measure(f, iterations=reps)(*args)
+            times += list(t)
+        return statistics.median(times), "cupti"
+    times = []
+    for args in sets:
+        jax.block_until_ready(f(*args))
+        t0 = time.perf_counter()
+        for _ in range(2 * reps):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e3 / (2 * reps))
+    return statistics.median(times), "back-to-back"
+
+
+def peak_mb(f, args):
+    """MB of XLA's buffer assignment for the compiled call: arguments + outputs + temporaries - aliased."""
+    try:
+        m = f.lower(*args).compile().memory_analysis()
+        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        return total / 2**20
+    except Exception:  # noqa: BLE001  (not every backend/version reports it)
         return float("nan")
 
 
-def check(causal, pass_, b, h, s, d, dtype):
-    """jaxflash vs reference on the same inputs; raises if they disagree."""
-    q, k, v = _inputs(b, h, min(s, 256), d, dtype, seed=1)
-    got = make_fn("jaxflash", causal, pass_)(q, k, v)
-    want = make_fn("reference", causal, pass_)(q, k, v)
-    tol = 2e-2 if dtype != jnp.float32 else 1e-3
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
-        if not err <= tol:
-            raise SystemExit(f"jaxflash.bench: jaxflash and reference disagree ({err:.3g} > {tol})")
+# --- the suites -------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Job:
+    """One shape and case, timed for each of `impls`; speedups are against the row (base_case, base_impl),
+    None meaning this job's case / the row's own impl."""
+    suite: str
+    case: Case
+    pass_: str
+    b: int
+    hq: int
+    hkv: int
+    s: int
+    d: int
+    impls: list
+    base_case: str | None = None
+    base_impl: str | None = None
 
 
-def _inputs(b, h, s, d, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.standard_normal((b, s, h, d), np.float32), dtype) for _ in range(3)]
+# Targets of issues 3-6 on an H100/H200 (bf16): TFLOP/s, or a speedup over the same impl without the feature.
+TARGETS = {
+    ("targets", "full", "fwd", 128, 16384): (">=", 370, "TF"), ("targets", "causal", "fwd", 128, 16384): (">=", 330, "TF"),
+    ("targets", "full", "fwd", 64, 16384): (">=", 320, "TF"), ("targets", "full", "fwd", 128, 1024): (">=", 280, "TF"),
+    ("targets", "full", "fwdbwd", 128, 16384): (">=", 335, "TF"),
+    ("targets", "causal", "fwdbwd", 128, 16384): (">=", 310, "TF"),
+    ("targets", "full", "fwdbwd", 64, 16384): (">=", 290, "TF"),
+    ("masks", "causal", "fwd", 128, 16384): (">=", 1.7, "x"), ("masks", "window", "fwd", 128, 16384): (">=", 8, "x"),
+    ("masks", "docs", "fwd", 128, 16384): (">=", 8, "x"), ("masks", "softcap", "fwd", 128, 16384): (">=", 1 / 1.1, "x"),
+    ("masks", "softcap", "fwdbwd", 128, 16384): (">=", 1 / 1.1, "x"),
+    ("dropout", "dropout", "fwdbwd", 128, 16384): (">=", 1 / 1.2, "x"),
+}
+
+
+def plan(args, gpu):
+    """The jobs of args.suite, in run order."""
+    peers = [n for n in IMPLS if n not in ("jaxflash", "reference", "cudnn", "xla")]
+    impls = args.impls or (["jaxflash", "cudnn", "xla", *peers] if gpu else ["jaxflash", "reference"])
+    standard = "xla" if gpu else "reference"
+
+    def shape(s, d):
+        if gpu:
+            return args.batch or max(TOKENS // s, 1), args.heads or WIDTH // d
+        return args.batch or 1, args.heads or 4
+
+    def job(suite, case, pass_, s, d, names, b=None, h=None, hkv=None, **base):
+        b0, h0 = shape(s, d)
+        b, h = b or b0, h or h0
+        names = [n for n in names if supports(n, case.kwargs(1, 16))]
+        return Job(suite, case, pass_, b, h, hkv or h, s, d, names, **base)
+
+    jobs = []
+    if args.suite == "sweep":
+        dims = args.head_dims or ([64, 128, 256] if gpu and not args.quick else [64, 128] if gpu else [64])
+        seqs = args.seqlens or ([1024, 16384] if gpu and args.quick else
+                                [512, 1024, 2048, 4096, 8192, 16384] if gpu else [256, 1024, 2048])
+        for pass_ in args.passes:
+            for d in dims:
+                for case in (FULL, CAUSAL):
+                    jobs += [job("sweep", case, pass_, s, d, impls, base_impl=standard) for s in seqs]
+            if gpu and not args.quick:
+                for case in (FULL, CAUSAL):
+                    jobs.append(job("sweep", case, pass_, 8192, 128, impls, b=2, h=64, hkv=8, base_impl=standard))
+                    s_mem = 131072 if pass_ == "fwd" else 65536  # the memory case
+                    jobs.append(job("sweep", case, pass_, s_mem, 128, ["jaxflash"], b=1, h=16))
+    elif args.suite == "targets":
+        if not gpu:
+            raise SystemExit("jaxflash.bench: --suite targets holds H100/H200 numbers; it needs a GPU")
+        shapes = {"fwd": [(FULL, 128, 16384), (CAUSAL, 128, 16384), (FULL, 64, 16384), (FULL, 128, 1024)],
+                  "fwdbwd": [(FULL, 128, 16384), (CAUSAL, 128, 16384), (FULL, 64, 16384)]}
+        jobs = [job("targets", c, p, s, d, impls, base_impl=standard) for p in args.passes for c, d, s in shapes[p]]
+    elif args.suite in ("masks", "dropout"):
+        d = (args.head_dims or [128])[0]
+        seqs = args.seqlens or ([16384] if gpu else [2048])
+        cases = MASKS if args.suite == "masks" else (FULL, DROPOUT)
+        passes = args.passes if args.suite == "masks" else ["fwdbwd"]
+        if args.suite == "dropout":  # only those that can drop out
+            impls = [n for n in impls if supports(n, DROPOUT.kwargs(1, 16))]
+        jobs = [job(args.suite, c, p, s, d, impls, base_case="full") for p in passes for s in seqs for c in cases]
+    elif args.suite == "seed":
+        names = [n for n in impls if n not in ("reference", "xla")] + ["reference"] + ["xla"] * gpu
+        for pass_ in args.passes:
+            for s in args.seqlens or [1024, 8192]:
+                b, h = (None, None) if gpu else (1, 1)  # CPU: one head keeps the materialised 8k x 8k small
+                jobs.append(job("seed", FULL, pass_, s, (args.head_dims or [128])[0], names, b=b, h=h,
+                                base_impl=standard))
+    return jobs
+
+
+def xla_skips(impl, job, args):
+    """The materialising implementations run out of memory or time past --xla-max-seq (not in the seed suite)."""
+    limit = args.xla_max_seq or (8192 if job.pass_ == "fwd" else 4096)
+    return impl in ("xla", "reference") and job.suite != "seed" and job.s > limit and jax.default_backend() != "cpu"
+
+
+# --- running ----------------------------------------------------------------------------------------------
+
+def run(jobs, args, dtype):
+    total = sum(len(j.impls) for j in jobs)
+    checked = {}  # (impl, case, pass, d, GQA) -> (status, error): one check per configuration
+    rows, n = [], 0
+    for job in jobs:
+        sets = None
+        for impl in job.impls:
+            n += 1
+            print(f"[{n:>3}/{total}] {job.suite} {job.case.label} {job.pass_} d={job.d} s={job.s} b={job.b} "
+                  f"h={job.hq}/{job.hkv} {impl}", file=sys.stderr, flush=True)
+            row = dict(suite=job.suite, case=job.case.label, impl=impl, pass_=job.pass_, d=job.d, s=job.s, b=job.b,
+                       hq=job.hq, hkv=job.hkv, causal=int(job.case.causal), dtype=jnp.dtype(dtype).name, status="ok",
+                       ms=float("nan"), tflops=float("nan"), peak_mb=float("nan"), check_err=float("nan"),
+                       method="")
+            rows.append(row)
+            if xla_skips(impl, job, args):
+                row["status"] = "skip (materialises S^2)"
+                continue
+            key = (impl, job.case, job.pass_, job.d, job.hq // job.hkv, job.hq == job.hkv)
+            try:
+                if key not in checked:
+                    err = check_error(impl, job.case, job.pass_, job.hq, job.hkv, job.d, dtype)
+                    tol = 1e-3 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+                    checked[key] = ("ok" if err <= tol else f"WRONG (error {err:.2e} > {tol})", err)
+                    print(f"# check {impl} {job.case.label} {job.pass_} d={job.d}: max rel error {err:.2e} vs the "
+                          f"float64 oracle: {'ok' if err <= tol else 'CHECK FAILED'}", flush=True)
+                row["status"], row["check_err"] = checked[key]
+                if row["status"] != "ok":
+                    continue
+                if sets is None:  # two input sets larger than L2 on a GPU; one on the CPU
+                    sets = [inputs(i, job.b, job.s, job.hq, job.hkv, job.d, dtype, job.pass_)
+                            for i in range(1 if jax.default_backend() == "cpu" else 2)]
+                f = make_fn(impl, job.case.kwargs(job.b, job.s), job.pass_)
+                jax.block_until_ready(f(*sets[0]))  # compile and warm up
+                row["ms"], row["method"] = device_ms(f, sets, args.reps)
+                row["tflops"] = flops(job.b, job.hq, job.s, job.d, job.case.density(job.s), job.pass_) \
+                    / row["ms"] / 1e9
+                row["peak_mb"] = peak_mb(f, sets[0])
+                print(f"RESULT suite={job.suite} case={job.case.label} impl={impl} pass={job.pass_} d={job.d} "
+                      f"s={job.s} b={job.b} h={job.hq} hkv={job.hkv} causal={row['causal']} dtype={row['dtype']} "
+                      f"ms={row['ms']:.4f} tflops={row['tflops']:.3f} peak_mb={row['peak_mb']:.1f} "
+                      f"method={row['method']}", flush=True)
+            except NotImplementedError:  # a feature this backend does not have yet
+                checked[key] = ("n/a (not implemented)", float("nan"))
+                row["status"] = checked[key][0]
+            except Exception as e:  # noqa: BLE001  (a peer that fails, or memory)
+                row["status"] = "OOM" if "RESOURCE_EXHAUSTED" in str(e) else f"error: {type(e).__name__}"
+                print(f"# {impl} {job.case.label} {job.pass_} d={job.d} s={job.s}: {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
+        del sets
+    _compare(rows, jobs)
+    return rows
+
+
+def _compare(rows, jobs):
+    """Speedup and memory saved against each job's base row, and the verdict against a target."""
+    index = {(r["suite"], r["pass_"], r["d"], r["s"], r["b"], r["hq"], r["case"], r["impl"]): r for r in rows}
+    bases = {(j.suite, j.pass_, j.d, j.s, j.b, j.hq, j.case.label): j for j in jobs}
+    for r in rows:
+        job = bases[(r["suite"], r["pass_"], r["d"], r["s"], r["b"], r["hq"], r["case"])]
+        base_case, base_impl = job.base_case or r["case"], job.base_impl or r["impl"]
+        base = index.get((r["suite"], r["pass_"], r["d"], r["s"], r["b"], r["hq"], base_case, base_impl))
+        r["vs"] = f"{base_impl} {base_case}" if job.base_case else base_impl
+        r["speedup"] = r["mem_saved"] = float("nan")
+        if base is not None and base is not r:
+            r["speedup"] = base["ms"] / r["ms"]
+            r["mem_saved"] = base["peak_mb"] / r["peak_mb"]
+        r["target"] = ""
+        t = TARGETS.get((r["suite"], r["case"], r["pass_"], r["d"], r["s"]))
+        if t and r["impl"] == "jaxflash" and r["status"] == "ok":
+            value = r["tflops"] if t[2] == "TF" else r["speedup"]
+            met = value >= t[1]
+            r["target"] = f">= {t[1]:.3g}{'x' if t[2] == 'x' else ''}: " + \
+                ("met" if met else f"short {100 * (1 - value / t[1]):.1f}%")
+
+
+# --- output -----------------------------------------------------------------------------------------------
+
+COLUMNS = ["suite", "case", "pass_", "d", "s", "b", "hq", "hkv", "causal", "dtype", "impl", "status", "check_err",
+           "ms", "tflops", "peak_mb", "vs", "speedup", "mem_saved", "target", "method"]
+
+
+def table(rows, gpu):
+    unit, scale = ("TFLOP/s", 1.0) if gpu else ("GFLOP/s", 1e3)
+    head = (f"{'suite':8}{'case':9}{'pass':7}{'D':>4}{'S':>7}{'B':>4}{'H':>7}  {'impl':15}{'ms':>10}{unit:>9}"
+            f"{'peak MB':>10}  {'vs':16}{'speedup':>8}{'mem':>8}  target / status")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        h = f"{r['hq']}/{r['hkv']}" if r["hq"] != r["hkv"] else str(r["hq"])
+        line = f"{r['suite']:8}{r['case']:9}{r['pass_']:7}{r['d']:>4}{r['s']:>7}{r['b']:>4}{h:>7}  {r['impl']:15}"
+        if r["status"] != "ok":
+            lines.append(line + f"{'':>37}  {'':16}{'':>16}  {r['status']}")
+            continue
+        speed = "" if math.isnan(r["speedup"]) else f"{r['speedup']:.2f}x"
+        mem = "" if math.isnan(r["mem_saved"]) else f"{r['mem_saved']:.1f}x"
+        lines.append(line + f"{r['ms']:10.3f}{r['tflops'] * scale:9.1f}{r['peak_mb']:10.1f}  "
+                            f"{r['vs'] if speed else '':16}{speed:>8}{mem:>8}  {r['target']}")
+    return "\n".join(lines)
+
+
+def write(out, rows, meta):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.csv"), "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows({c: r[c] for c in COLUMNS} for r in rows)
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        clean = [{c: (None if isinstance(r[c], float) and math.isnan(r[c]) else r[c]) for c in COLUMNS} for r in rows]
+        json.dump({"meta": meta, "rows": clean}, fh, indent=1)
+    plot(rows, os.path.join(out, "tflops.png"))
+
+
+def plot(rows, path):
+    """TFLOP/s against S, one line per implementation, one panel per (suite, pass, D, case)."""
+    import matplotlib  # lazily: only --out needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    panels = sorted({(r["suite"], r["pass_"], r["d"], r["case"]) for r in ok})
+    cols = min(len(panels), 4) or 1
+    nrows = max(math.ceil(len(panels) / cols), 1)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax, (suite, pass_, d, case) in zip(axes.flat, panels):
+        for impl in dict.fromkeys(r["impl"] for r in ok):
+            pts = sorted((r["s"], r["tflops"]) for r in ok if (r["suite"], r["pass_"], r["d"], r["case"], r["impl"])
+                         == (suite, pass_, d, case, impl) and r["hq"] == r["hkv"])
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{suite}: {pass_}, D={d}, {case}", fontsize=9)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jaxflash.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--seqlens", type=int, nargs="+", default=[256, 1024, 2048])
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--passes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
-    p.add_argument("--reps", type=int, default=5)
+    p = argparse.ArgumentParser(prog="python -m jaxflash.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--suite", default="sweep", choices=SUITES)
+    p.add_argument("--impls", nargs="+", help=f"subset of {', '.join(IMPLS)} and importable peers")
+    p.add_argument("--seqlens", "--seqs", type=int, nargs="+")
+    p.add_argument("--head-dims", "--head-dim", type=int, nargs="+")
+    p.add_argument("--heads", type=int, help="default: 2048 / D on a GPU, 4 on the CPU")
+    p.add_argument("--batch", type=int, help="default: 16384 / S on a GPU, 1 on the CPU")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 GPU, float32 CPU")
+    p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
+    p.add_argument("--reps", type=int, default=None, help="timed calls per input set (default 10 GPU, 5 CPU)")
+    p.add_argument("--quick", action="store_true", help="GPU sweep: D in {64, 128}, S in {1k, 16k}, no extras")
+    p.add_argument("--xla-max-seq", type=int, help="skip the materialising impls above this S (default 8k fwd, "
+                                                    "4k fwd+bwd; GPU)")
+    p.add_argument("--out", help="directory for results.csv, results.json and tflops.png")
     args = p.parse_args(argv)
-    dtype = jnp.dtype(args.dtype)
-    b, h, d = args.batch, args.heads, args.head_dim
-    print(f"jaxflash.bench on {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-          f"{args.dtype}, B={b} H={h} D={d}, median of {args.reps}", flush=True)
-    rows = []
-    for pass_ in args.passes:
-        for causal in (False, True):
-            check(causal, pass_, b, h, 256, d, dtype)
-            for s in args.seqlens:
-                q, k, v = _inputs(b, h, s, d, dtype)
-                res = {}
-                for impl in IMPLS:
-                    fn = make_fn(impl, causal, pass_)
-                    ms, sd = time_ms(fn, (q, k, v), args.reps)
-                    mem = temp_bytes(fn, (q, k, v))
-                    gflops = flops(b, h, s, d, causal, pass_) / ms / 1e6
-                    res[impl] = (ms, gflops, mem)
-                    print(f"RESULT impl={impl} pass={pass_} causal={int(causal)} b={b} h={h} s={s} d={d} "
-                          f"dtype={args.dtype} ms={ms:.3f} sd={sd:.3f} gflops={gflops:.2f} temp_mb={mem / 2**20:.2f}",
-                          flush=True)
-                rows.append((pass_, causal, s, res))
+    gpu = jax.default_backend() == "gpu"
+    if gpu:
+        _add_peers()
+    args.reps = args.reps or (10 if gpu else 5)
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
+    unknown = set(args.impls or []) - set(IMPLS)
+    if unknown:
+        p.error(f"unknown or unavailable --impls {sorted(unknown)}; have {sorted(IMPLS)}")
+    dev = jax.devices()[0]
+    meta = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                jaxflash=jaxflash.__version__, python=platform.python_version(), suite=args.suite,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                argv=sys.argv[1:] if argv is None else list(argv), dtype=dtype.name, reps=args.reps,
+                check="float64 NumPy oracle on B=1, S=300 of the same config; max error / max |oracle|",
+                memory="XLA buffer assignment of the compiled call: arguments + outputs + temporaries - aliased")
+    print(f"jaxflash.bench --suite {args.suite} on {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__},"
+          f" {dtype.name}", flush=True)
+    rows = run(plan(args, gpu), args, dtype)
     print()
-    head = f"{'pass':7}{'causal':>7}{'S':>7} | {'jaxflash ms':>12}{'GFLOP/s':>9}{'temp MB':>9} | " \
-           f"{'reference ms':>13}{'GFLOP/s':>9}{'temp MB':>9} | {'speedup':>8}"
-    print(head)
-    print("-" * len(head))
-    for pass_, causal, s, res in rows:
-        (fm, fg, fmem), (rm, rg, rmem) = res["jaxflash"], res["reference"]
-        print(f"{pass_:7}{'yes' if causal else 'no':>7}{s:>7} | {fm:12.2f}{fg:9.2f}{fmem / 2**20:9.2f} | "
-              f"{rm:13.2f}{rg:9.2f}{rmem / 2**20:9.2f} | {rm / fm:7.2f}x")
-    return 0
+    print(table(rows, gpu))
+    if args.out:
+        write(args.out, rows, meta)
+        print(f"\nwrote {args.out}/results.csv, results.json, tflops.png")
+    bad = [r for r in rows if r["status"].startswith("WRONG")
+           or (r["impl"] == "jaxflash" and r["status"].startswith("error"))]
+    for r in bad:
+        print(f"jaxflash.bench: {r['impl']} {r['case']} {r['pass_']} d={r['d']}: {r['status']}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
