@@ -1,0 +1,112 @@
+"""`python -m jaxflash.bench` on the CPU: a tiny sweep, its files, and the check that refuses a wrong kernel."""
+import csv
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import bench
+
+TINY = ["--seqlens", "64", "128", "--head-dims", "32", "--heads", "2", "--reps", "1"]
+
+
+def test_oracle_matches_autodiff_of_the_reference():
+    """The bench's float64 oracle (o, dq, dk, dv) against jax.grad of jaxflash.reference, with GQA, a window,
+    segment ids and softcap: the check is only as good as this."""
+    case = bench.Case("mix", window=True, docs=3, softcap=5.0)
+    q, k, v, do = bench.inputs(3, 2, 48, 4, 2, 16, jnp.float32, "fwdbwd")
+    kw = case.kwargs(2, 48)
+    o, vjp = jax.vjp(lambda q, k, v: jaxflash.reference.attention(q, k, v, **kw), q, k, v)
+    mask = np.asarray(jaxflash.reference.visible(48, 48, window=kw["window"], q_segment_ids=kw["q_segment_ids"],
+                                                 kv_segment_ids=kw["kv_segment_ids"]))
+    want = bench.oracle(q, k, v, do, mask=mask, softcap=5.0)
+    for got, ref in zip([o, *vjp(do)], want):
+        np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_cpu_sweep_writes_csv_json_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert bench.main(TINY + ["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("RESULT ") == 2 * 2 * 2 * 2  # passes x causal x seqlens x impls
+    with open(tmp_path / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {(r["impl"], r["pass_"], r["causal"], r["s"]) for r in rows} == {
+        (i, p, c, s) for i in ("jaxflash", "reference") for p in ("fwd", "fwdbwd") for c in "01" for s in ("64", "128")}
+    for r in rows:
+        assert r["status"] == "ok" and float(r["check_err"]) < 1e-3
+        ms, tflops, s = float(r["ms"]), float(r["tflops"]), int(r["s"])
+        flop = 4 * 1 * 2 * s * s * 32 * (0.5 if r["causal"] == "1" else 1) * (3.5 if r["pass_"] == "fwdbwd" else 1)
+        assert ms > 0 and math.isclose(tflops * ms * 1e9, flop, rel_tol=1e-6)
+        assert float(r["peak_mb"]) > 0
+    by = {(r["impl"], r["pass_"], r["causal"], r["s"]): r for r in rows}
+    for (impl, p, c, s), r in by.items():
+        if impl == "jaxflash":  # speedup and memory saved are against the reference row of the same config
+            ref = by[("reference", p, c, s)]
+            assert math.isclose(float(r["speedup"]), float(ref["ms"]) / float(r["ms"]), rel_tol=1e-6)
+            assert math.isclose(float(r["mem_saved"]), float(ref["peak_mb"]) / float(r["peak_mb"]), rel_tol=1e-6)
+    # The materialised S x S scores show in the reference's memory, not in the kernel's.
+    assert float(by[("reference", "fwd", "0", "128")]["peak_mb"]) > float(by[("jaxflash", "fwd", "0", "128")]["peak_mb"])
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["backend"] == "cpu" and len(doc["rows"]) == len(rows)
+    png = (tmp_path / "tflops.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _broken_jaxflash(monkeypatch, attn):
+    monkeypatch.setitem(bench.IMPLS, "jaxflash", (attn, None))
+
+
+def test_a_wrong_implementation_is_caught_and_not_timed(monkeypatch, capsys):
+    # Off by the softmax scale: a plausible bug, numerically close to right.
+    _broken_jaxflash(monkeypatch, lambda q, k, v, kw: jaxflash.attention(q, k, v, scale=1.1 * q.shape[-1] ** -0.5,
+                                                                         **kw))
+    assert bench.main(TINY + ["--passes", "fwd"]) == 1
+    captured = capsys.readouterr()
+    assert "CHECK FAILED" in captured.out and "WRONG" in captured.err
+    assert "RESULT suite=sweep case=full impl=jaxflash" not in captured.out
+    assert "RESULT suite=sweep case=full impl=reference" in captured.out
+
+
+def test_a_wrong_gradient_is_caught(monkeypatch, capsys):
+    @jax.custom_vjp
+    def attn(q, k, v):
+        return jaxflash.attention(q, k, v)
+
+    def bwd(res, do):  # forward right, dk wrong
+        dq, dk, dv = jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v), *res)[1](do)
+        return dq, 0.5 * dk, dv
+
+    attn.defvjp(lambda q, k, v: (attn(q, k, v), (q, k, v)), bwd)
+    _broken_jaxflash(monkeypatch, lambda q, k, v, kw: attn(q, k, v))
+    assert bench.main(TINY + ["--seqlens", "64", "--impls", "jaxflash"]) == 1
+    out = capsys.readouterr().out
+    assert "check jaxflash full fwd d=32: max rel error" in out and "ok" in out.split("fwd d=32")[1].splitlines()[0]
+    assert "check jaxflash full fwdbwd" in out and "CHECK FAILED" in out
+
+
+def test_a_mask_the_implementation_ignores_is_caught(monkeypatch, capsys):
+    _broken_jaxflash(monkeypatch, lambda q, k, v, kw: jaxflash.attention(q, k, v, causal=kw["causal"]))
+    assert bench.main(["--suite", "masks", "--seqlens", "64", "--head-dims", "32", "--heads", "2", "--reps", "1",
+                       "--passes", "fwd", "--impls", "jaxflash"]) == 1
+    out = capsys.readouterr().out
+    for label, ok in (("full", True), ("causal", True), ("window", False), ("docs", False), ("softcap", False)):
+        line = next(x for x in out.splitlines() if x.startswith(f"# check jaxflash {label} "))
+        assert line.endswith("ok") == ok, line
+
+
+def test_not_implemented_shows_as_na(monkeypatch, capsys):
+    def attn(q, k, v, kw):
+        if "dropout_rate" in kw:
+            raise NotImplementedError("no dropout here")
+        return jaxflash.attention(q, k, v, **kw)
+
+    _broken_jaxflash(monkeypatch, attn)
+    assert bench.main(["--suite", "dropout", "--seqlens", "64", "--head-dims", "32", "--heads", "2", "--reps", "1",
+                       "--impls", "jaxflash"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("dropout ")]
+    assert len(lines) == 2 and "n/a" not in lines[0] and lines[1].endswith("n/a (not implemented)")
