@@ -10,7 +10,7 @@ Suites (`--suite`):
            the same implementation without a mask (fwd and fwd+bwd).
   dropout  D=128, S=16k, fwd+bwd with dropout_rate=0.1 against 0.
   seed     the seed note's comparison: D=128, N in {1k, 8k}: speedup and memory saved over standard attention.
-Implementations: jaxflash; standard attention (`reference`: jaxflash.reference, materialising jnp; `xla`:
+Implementations: jaxflash (`jaxflash-det`: deterministic=True, on request); standard attention (`reference`: jaxflash.reference, materialising jnp; `xla`:
 jax.nn.dot_product_attention's XLA path); cuDNN through jax.nn; flash_attn_jax and Pallas Triton when they
 import (GPU). A mask or dropout that an implementation cannot express leaves it out of that row; a feature that
 raises NotImplementedError shows as "n/a (not implemented)".
@@ -108,6 +108,7 @@ def _jax_nn(implementation):
 # name -> (attention(q, k, v, kw), the keywords beyond `causal` it can express)
 IMPLS = {
     "jaxflash": (lambda q, k, v, kw: jaxflash.attention(q, k, v, **kw), None),
+    "jaxflash-det": (lambda q, k, v, kw: jaxflash.attention(q, k, v, deterministic=True, **kw), None),
     "reference": (lambda q, k, v, kw: jaxflash.reference.attention(q, k, v, **kw), None),
     "xla": (_jax_nn("xla"), {"window"}),
     "cudnn": (_jax_nn("cudnn"), {"window"}),
@@ -263,6 +264,15 @@ def device_ms(f, sets, reps):
     return statistics.median(times), "back-to-back"
 
 
+def kernel_breakdown(f, args, iterations=3):
+    """[(kernel name, median ms)] of one call, in launch order (CUPTI only)."""
+    if not _CUPTI:
+        return []
+    _, per_iter = _CUPTI.measure(f, aggregate=False, iterations=iterations)(*args)
+    names = [name for name, _ in per_iter[0]]
+    return [(name, statistics.median(it[i][1] for it in per_iter)) for i, name in enumerate(names)]
+
+
 def peak_mb(f, args):
     """MB of XLA's buffer assignment for the compiled call: arguments + outputs + temporaries - aliased."""
     try:
@@ -308,7 +318,7 @@ TARGETS = {
 
 def plan(args, gpu):
     """The jobs of args.suite, in run order."""
-    peers = [n for n in IMPLS if n not in ("jaxflash", "reference", "cudnn", "xla")]
+    peers = [n for n in IMPLS if n not in ("jaxflash", "jaxflash-det", "reference", "cudnn", "xla")]
     impls = args.impls or (["jaxflash", "cudnn", "xla", *peers] if gpu else ["jaxflash", "reference"])
     standard = "xla" if gpu else "reference"
 
@@ -411,6 +421,10 @@ def run(jobs, args, dtype):
                       f"s={job.s} b={job.b} h={job.hq} hkv={job.hkv} causal={row['causal']} dtype={row['dtype']} "
                       f"ms={row['ms']:.4f} tflops={row['tflops']:.3f} peak_mb={row['peak_mb']:.1f} "
                       f"method={row['method']}", flush=True)
+                if args.breakdown and impl.startswith("jaxflash"):
+                    for name, ms in kernel_breakdown(f, sets[0]):
+                        print(f"KERNEL impl={impl} case={job.case.label} pass={job.pass_} d={job.d} s={job.s} "
+                              f"ms={ms:.4f} name={name[:90]}", flush=True)
             except NotImplementedError:  # a feature this backend does not have yet
                 checked[key] = ("n/a (not implemented)", float("nan"))
                 row["status"] = checked[key][0]
@@ -527,6 +541,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="GPU sweep: D in {64, 128}, S in {1k, 16k}, no extras")
     p.add_argument("--xla-max-seq", type=int, help="skip the materialising impls above this S (default 8k fwd, "
                                                     "4k fwd+bwd; GPU)")
+    p.add_argument("--breakdown", action="store_true", help="per-kernel device times of the jaxflash calls (CUPTI)")
     p.add_argument("--out", help="directory for results.csv, results.json and tflops.png")
     args = p.parse_args(argv)
     gpu = jax.default_backend() == "gpu"

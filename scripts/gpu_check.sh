@@ -6,11 +6,13 @@
 #   2. pytest -m gpu: forward and backward vs the float64 oracle (every dtype and head dim, odd lengths, GQA,
 #      causal, poisoned outputs, determinism, jit/vmap/grad on the GPU);
 #   3. compute-sanitizer memcheck and racecheck on small forward and backward cases;
-#   4. the benchmarks (benchmarks/bench_gpu.py forward, bench_gpu_bwd.py fwd+bwd; BENCH_ARGS passes options).
+#   4. the benchmarks: `python -m jaxflash.bench --suite S` for each S in BENCH_SUITES (default "targets masks
+#      dropout": the CUDA issues' target shapes, the mask speedups, the dropout cost; "sweep" is the full grid),
+#      each with --out $LOG/bench_S (CSV, JSON, PNG); BENCH_ARGS passes further options to every suite.
 # Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table.
 # Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BUILD=1, SKIP_SANITIZER=1,
-# SKIP_BENCH=1, PYTEST_ARGS (default "-n 8" when pytest-xdist is installed: ~4 min for the forward tests on 16
-# cores; "-n 16" ran out of GPU memory next to the 17 GB 64-bit-offset test). Everything takes ~11 minutes on
+# SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_ARGS (default "-n 8" when pytest-xdist is installed: ~4 min
+# for the forward tests on 16 cores; "-n 16" ran out of GPU memory next to the 17 GB 64-bit-offset test). Everything takes ~11 minutes on
 # one H200: over the device tool's 10-minute call limit, so run it there as two calls (SKIP_BENCH=1, then
 # SKIP_SANITIZER=1 with PYTEST_ARGS="-k nothing" and the benchmarks).
 set -uo pipefail
@@ -82,14 +84,14 @@ for tool in memcheck racecheck; do
 done
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  for pass in fwd fwdbwd; do
-    script="$REPO/benchmarks/bench_gpu.py" log="$LOG/bench.log"
-    [ "$pass" = fwdbwd ] && script="$REPO/benchmarks/bench_gpu_bwd.py" log="$LOG/bench_bwd.log"
-    echo "== benchmark ($pass)"
-    if timeout 400 "$PY" "$script" ${BENCH_ARGS:-} 2>&1 | tee "$log"; then
-      verdict "benchmark $pass" "ok ($(basename "$log"))"
+  for suite in ${BENCH_SUITES:-targets masks dropout}; do
+    echo "== benchmark ($suite)"
+    # Exit 1 means an implementation disagreed with the float64 oracle or jaxflash itself failed.
+    if timeout 400 "$PY" -m jaxflash.bench --suite "$suite" --out "$LOG/bench_$suite" ${BENCH_ARGS:-} 2>&1 \
+        | tee "$LOG/bench_$suite.log"; then
+      verdict "benchmark $suite" "ok (bench_$suite.log, bench_$suite/)"
     else
-      verdict "benchmark $pass" "FAIL ($(basename "$log"))"
+      verdict "benchmark $suite" "FAIL (bench_$suite.log)"
     fi
   done
 fi
