@@ -51,6 +51,10 @@ class Mask:
     q_lengths: Any = None
     kv_lengths: Any = None
 
+    def __post_init__(self):
+        if isinstance(self.window, list):  # static pytree data must be hashable
+            object.__setattr__(self, "window", tuple(self.window))
+
 
 jax.tree_util.register_dataclass(Mask, data_fields=["q_segment_ids", "kv_segment_ids", "q_lengths", "kv_lengths"],
                                  meta_fields=["causal", "window"])
@@ -257,7 +261,8 @@ class FlashMultiHeadAttentionNNX(nnx.Module):
         self.dropout_rate = dropout_rate
         self.deterministic = deterministic
         self.normalize_qk = normalize_qk
-        self.causal, self.window, self.softcap, self.backend = causal, window, softcap, backend
+        self.causal, self.softcap, self.backend = causal, softcap, backend
+        self.window = None if window is None else tuple(window)  # nnx would wrap a list as a pytree
 
         def linear(in_features, heads):
             return nnx.LinearGeneral(in_features, (heads, self.head_dim), dtype=dtype, param_dtype=param_dtype,
