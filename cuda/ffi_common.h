@@ -279,17 +279,4 @@ inline ffi::Error ParseBwd(const char* target, const ffi::AnyBuffer& dout, const
   return ffi::Error::Success();
 }
 
-// The CUDA kernels do not implement segment ids, lengths, softcap, sliding windows, the top-left diagonal or
-// dropout yet (the CPU kernel does): say so rather than compute something else.
-inline ffi::Error CheckCudaSupported(const char* target, const MaskAttrs& a, float softcap, float dropout_rate) {
-  const bool plain = !a.use_segment_ids && !a.use_lengths && softcap == 0.f && a.window_left == -1 &&
-                     (a.window_right == -1 || a.window_right == 0) && a.bottom_right && dropout_rate == 0.f;
-  if (plain) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    std::string(target) + ": the CUDA kernel supports no mask but the bottom-right causal one and no "
-                                          "dropout yet (segment ids, lengths, softcap, windows and dropout run on "
-                                          "the CPU kernel)");
-}
-
-
 }  // namespace jaxflash

@@ -51,7 +51,6 @@ ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
                         softcap, attrs, dropout_rate, &p);
       e.failure())
     return e;
-  if (auto e = CheckCudaSupported(kFwdTarget, attrs, softcap, dropout_rate); e.failure()) return e;
   // The kernel numbers its blocks in one 32-bit grid dimension (kBlockM >= 64 rows per block).
   const int64_t blocks = p.dims.batch * p.dims.heads_q * ((p.dims.seqlen_q + 63) / 64);
   if (blocks > INT32_MAX)

@@ -61,7 +61,6 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
                         dk, dv, dq_accum, delta, scale, softcap, attrs, dropout_rate, &p);
       e.failure())
     return e;
-  if (auto e = CheckCudaSupported(kBwdTarget, attrs, softcap, dropout_rate); e.failure()) return e;
   // The kernels number their blocks in one 32-bit grid dimension (>= 64 rows or keys per block).
   const int64_t q_blocks = p.dims.batch * p.dims.heads_q * ((p.dims.seqlen_q + 63) / 64);
   const int64_t k_blocks = p.dims.batch * p.dims.heads_k * ((p.dims.seqlen_k + 63) / 64);

@@ -30,6 +30,7 @@
 
 #include "flash_fwd_kernel.cuh"  // tile operations shared with the forward: gemm_ss, gemm_rs, convert_fragment, ...
 #include "mask.h"
+#include "mask_tile.cuh"
 #include "params.h"
 #include "softmax.cuh"  // rowcol
 #include "traits_bwd.cuh"
@@ -176,31 +177,96 @@ __forceinline__ __device__ float lse_log2_of(const float* lse_row, int64_t row, 
   return l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
 }
 
-// In place: s (rowcol view of S) -> P = exp2(s·scale_log2 − lse2[row]), masked entries 0.
-template <bool kMasked, class TS, class TC, int kRows>
-__forceinline__ __device__ void scores_to_probs(TS& s, TC const& coords, const float (&lse2)[kRows], float scale_log2,
-                                                const MaskParams& mask, int64_t m0, int64_t n0, int64_t seqlen_k) {
+// What the backward pass adds to dS = P ∘ (dP − delta) for softcap and dropout (default: the plain rule).
+struct BwdExtras {
+  float softcap = 0.f;  // > 0: scores were soft-capped
+  float t_scale = 0.f;  // ln 2 / softcap: turns log2(P) + LSE·log2 e into t = capped score / cap
+  bool dropout = false;
+  DropoutDraw draw{};
+  float inv_keep = 1.f;  // 1 / (1 − rate)
+
+  BwdExtras() = default;
+  __device__ BwdExtras(const BwdParams& p, int64_t batch) {
+    if (p.softcap > 0.f) {
+      softcap = p.softcap;
+      t_scale = 0.6931471805599453f / p.softcap;
+    }
+    if (p.dropout.rate > 0.f) {
+      dropout = true;
+      draw = dropout_draw(p.dropout, batch);
+      inv_keep = 1.f / (1.f - p.dropout.rate);
+    }
+  }
+};
+
+// Raw Q·Kᵀ -> the scores the forward's softmax saw: soft-capped if asked, −inf where the mask hides (kMasked;
+// mask_tile.cuh). kExtras as in the forward kernel: compiles in softcap and segment ids.
+template <bool kExtras, bool kMasked, int kTileN, class TAcc, class TC>
+__forceinline__ __device__ void recompute_scores(TAcc& acc, TC const& coords, const BwdParams& p, const BatchMask& bm,
+                                                 int64_t m0, int64_t n0) {
+  if (kExtras && p.softcap > 0.f) softcap_scores(acc, p.scale, p.softcap);
+  if constexpr (kMasked) {
+    Tensor s = rowcol(acc);
+    mask_scores<kTileN, kExtras>(s, coords, bm, m0, n0);
+  }
+}
+
+// In place: s (rowcol view of scores, −inf where masked) -> P = exp2(s·score_log2 − lse2[row]).
+template <class TS, int kRows>
+__forceinline__ __device__ void scores_to_probs(TS& s, const float (&lse2)[kRows], float score_log2) {
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(s); ++c) {
-      float pr = exp2f(fmaf(s(r, c), scale_log2, -lse2[r]));
-      if constexpr (kMasked) {
-        const int64_t row = m0 + get<0>(coords(r, c)), col = n0 + get<1>(coords(r, c));
-        if (col >= seqlen_k || !is_visible(mask, row, col)) pr = 0.f;
-      }
-      s(r, c) = pr;
+    for (int c = 0; c < size<1>(s); ++c) s(r, c) = exp2f(fmaf(s(r, c), score_log2, -lse2[r]));
+  }
+}
+
+// In place: dp (rowcol view of dP = dO·Vᵀ) -> dS = P ∘ (dP ∘ Z − delta) ∘ (1 − t²), and pr -> P ∘ Z (what dV
+// needs). Z = keep / (1 − rate) is the forward's dropout, drawn again from the same counters; t is the capped
+// score over the cap, recovered from P itself (log2 P + lse2 = s'·log2 e) instead of holding the scores in
+// registers. Without softcap and dropout this is the plain P ∘ (dP − delta).
+template <bool kExtras, class TP, class TD, class TC, int kRows>
+__forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP& pr, TC const& coords, const float (&delta)[kRows],
+                                                  const float (&lse2)[kRows], const BwdExtras& x, uint32_t head,
+                                                  int64_t m0, int64_t n0) {
+  auto cap_factor = [&](int r, float prob) {
+    if (x.softcap == 0.f) return 1.f;
+    const float t = (log2f(prob) + lse2[r]) * x.t_scale;
+    return prob > 0.f ? 1.f - t * t : 0.f;
+  };
+  if (kExtras && x.dropout) {
+    for_each_keep(coords, x.draw, head, m0, n0, [&](int r, int c, bool keep) {
+      const float prob = pr(r, c);
+      const float dpz = keep ? dp(r, c) * x.inv_keep : 0.f;
+      dp(r, c) = prob * (dpz - delta[r]) * cap_factor(r, prob);
+      pr(r, c) = keep ? prob * x.inv_keep : 0.f;
+    });
+  } else if (kExtras && x.softcap > 0.f) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dp); ++c) dp(r, c) = pr(r, c) * (dp(r, c) - delta[r]) * cap_factor(r, pr(r, c));
+    }
+  } else {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dp); ++c) dp(r, c) = pr(r, c) * (dp(r, c) - delta[r]);
     }
   }
 }
 
-// In place: dp (rowcol view of dP) -> dS = P ∘ (dP − delta[row]).
-template <class TP, class TD, int kRows>
-__forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP const& pr, const float (&delta)[kRows]) {
+// Stats of the rows a thread holds: lse2 (lse_log2_of) and delta; rows past q_len get P = 0 and delta 0, so
+// whatever their dO holds never reaches a gradient.
+template <class TC, int kRows>
+__forceinline__ __device__ void load_row_stats(TC const& coords, const BwdParams& p, const BatchMask& bm,
+                                               int64_t stat_off, int64_t m0, float (&lse2)[kRows],
+                                               float (&delta)[kRows]) {
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(dp); ++c) dp(r, c) = pr(r, c) * (dp(r, c) - delta[r]);
+    const int64_t row = m0 + get<0>(coords(r, 0));
+    lse2[r] = lse_log2_of(p.lse + stat_off, row, bm.q_len);
+    delta[r] = row < bm.q_len ? p.delta[stat_off + row] : 0.f;
   }
 }
 
@@ -245,7 +311,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_
 
 // ---- 2. dK, dV (and dQ by atomics) -------------------------------------------------------------------
 
-template <class Tr>
+template <class Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p, const bool accumulate_dq) {
   using T = typename Tr::Element;
@@ -269,8 +335,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int64_t n0 = n_block * kN;
   const int64_t n_end = cute::min(n0 + int64_t(kN), seqlen_k);
 
+  const BatchMask bm = batch_mask(p.mask, batch, seqlen_q, seqlen_k);
+  const int64_t n_valid_end = cute::min(n_end, bm.kv_len);  // keys past kv_len are seen by nobody
   int64_t row_begin, row_end;
-  visible_query_range(p.mask, n0, n_end, seqlen_q, &row_begin, &row_end);
+  visible_query_range(bm, n0, n_end, &row_begin, &row_end);
+  const bool segments = kExtras && bm.q_seg != nullptr;
+  if (segments && row_begin < row_end)  // packed documents: only the rows of this block's documents
+    narrow_by_ids<Tr::kNThreads>(bm.kv_seg, n0, n_valid_end, bm.q_seg, &row_begin, &row_end,
+                                 reinterpret_cast<int*>(smem_raw));
   const int64_t m_block_min = row_begin / kM;
   const int64_t m_block_max = row_end > row_begin ? (row_end + kM - 1) / kM : m_block_min;
   const int64_t n_m = m_block_max - m_block_min;
@@ -335,15 +407,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       Tensor tQgQ = gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0)));
       Tensor tQgdO = gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0)));
       const int stage_offset = int(it % 2) * Tr::kQElems;
-      const int64_t rows_left = seqlen_q - m_block * kM;
+      const int64_t rows_left = bm.q_len - m_block * kM;  // rows past q_len are zero-filled
       copy_tile_rows<true>(gmem_copy, tQgQ, at_offset(tQsQ, stage_offset), tQcQ, rows_left);
       copy_tile_rows<true>(gmem_copy, tQgdO, at_offset(tQsdO, stage_offset), tQcQ, rows_left);
     }
     cp_async_fence();
   };
 
-  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gK), gmem_thr_copy.partition_D(sK), tKVcKV, seqlen_k - n0);
-  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gV), gmem_thr_copy.partition_D(sV), tKVcKV, seqlen_k - n0);
+  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gK), gmem_thr_copy.partition_D(sK), tKVcKV,
+                       n_valid_end - n0);
+  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gV), gmem_thr_copy.partition_D(sV), tKVcKV,
+                       n_valid_end - n0);
   load_q_do(0);  // the first group also carries K and V
 
   // ---- MMAs and shared -> register copies ----
@@ -402,7 +476,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(TileS{})));  // (row, col) of each score
   constexpr int kRows = decltype(size<0>(tScS))::value;
   Tensor tQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
+  const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
 
   for (int64_t it = 0; it < n_iters; ++it) {
     const int64_t head = iter_head(it), m_block = iter_m_block(it);
@@ -412,12 +487,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const int64_t stat_off = (batch * dims.heads_q + head) * seqlen_q;
 
     float lse2[kRows], delta[kRows];
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t row = m0 + get<0>(tScS(r, 0));
-      lse2[r] = lse_log2_of(p.lse + stat_off, row, seqlen_q);
-      delta[r] = row < seqlen_q ? p.delta[stat_off + row] : 0.f;
-    }
+    load_row_stats(tScS, p, bm, stat_off, m0, lse2, delta);
 
     cp_async_wait<0>();  // Q_it and dO_it (and K, V) landed
     __syncthreads();     // ... for every thread; and every thread is done with stage (it + 1) % 2, P and dS
@@ -427,21 +497,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     clear(acc_s);
     gemm_ss(acc_s, tSrQ, tSrK, at_offset(tSsQ, stage_offset), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a,
             thr_copy_sdp_b);
-    Tensor s_rc = rowcol(acc_s);
     const bool needs_mask =
-        n0 + kN > seqlen_k || !block_fully_visible(p.mask, m0, m_end, n0, n_end);
+        segments || n0 + kN > bm.kv_len || !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN);
     if (needs_mask) {
-      scores_to_probs<true>(s_rc, tScS, lse2, scale_log2, p.mask, m0, n0, seqlen_k);
+      recompute_scores<kExtras, true, kN>(acc_s, tScS, p, bm, m0, n0);
     } else {
-      scores_to_probs<false>(s_rc, tScS, lse2, scale_log2, p.mask, m0, n0, seqlen_k);
+      recompute_scores<kExtras, false, kN>(acc_s, tScS, p, bm, m0, n0);
     }
+    Tensor s_rc = rowcol(acc_s);
+    scores_to_probs(s_rc, lse2, score_log2);
 
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
     clear(acc_dp);
     gemm_ss(acc_dp, tSrQ, tSrK, at_offset(tSsdO, stage_offset), tSsV, mma_sdp, copy_sdp_a, copy_sdp_b,
             thr_copy_sdp_a, thr_copy_sdp_b);
     Tensor dp_rc = rowcol(acc_dp);
-    dprobs_to_dscores(dp_rc, s_rc, delta);
+    dprobs_to_dscores<kExtras>(dp_rc, s_rc, tScS, delta, lse2, extras, uint32_t(head), m0, n0);
 
     Tensor rP = convert_fragment<T>(acc_s);
     Tensor rdS = convert_fragment<T>(acc_dp);
@@ -512,7 +583,7 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const float* 
 
 // ---- 3b. dQ without atomics (deterministic mode) -------------------------------------------------------
 
-template <class Tr>
+template <class Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
@@ -536,8 +607,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
   const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
   const int64_t stat_off = (batch * dims.heads_q + head) * seqlen_q;
 
+  const BatchMask bm = batch_mask(p.mask, batch, seqlen_q, seqlen_k);
+  const int64_t m_valid_end = cute::min(m_end, bm.q_len);
   int64_t key_begin, key_end;
-  visible_key_range(p.mask, m0, m_end, seqlen_k, &key_begin, &key_end);
+  visible_key_range(bm, m0, m_end, &key_begin, &key_end);
+  const bool segments = kExtras && bm.q_seg != nullptr;
+  if (segments && key_begin < key_end)
+    narrow_by_ids<Tr::kNThreads>(bm.q_seg, m0, m_valid_end, bm.kv_seg, &key_begin, &key_end,
+                                 reinterpret_cast<int*>(smem_raw));
   const int64_t n_block_min = key_begin / kN;
   const int64_t n_block_max = key_end > key_begin ? (key_end + kN - 1) / kN : n_block_min;
   const int64_t n_iters = n_block_max - n_block_min;
@@ -575,15 +652,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
     if (i < n_iters) {
       const int64_t n_block = n_block_min + i;
       const int stage_offset = int(i % 2) * Tr::kKVElems;
-      copy_tile_rows<true>(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, stage_offset), tKVcKV, seqlen_k - n_block * kN);
-      copy_tile_rows<true>(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, stage_offset), tKVcKV, seqlen_k - n_block * kN);
+      copy_tile_rows<true>(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, stage_offset), tKVcKV,
+                           key_end - n_block * kN);
+      copy_tile_rows<true>(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, stage_offset), tKVcKV,
+                           key_end - n_block * kN);
     }
     cp_async_fence();
   };
   copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0))),
-            gmem_thr_copy.partition_D(sQ), tQcQ, m_end - m0);
+            gmem_thr_copy.partition_D(sQ), tQcQ, m_valid_end - m0);
   copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0))),
-            gmem_thr_copy.partition_D(sdO), tQcQ, m_end - m0);
+            gmem_thr_copy.partition_D(sdO), tQcQ, m_valid_end - m0);
   load_kv(0);
 
   typename Tr::TiledMma mma;
@@ -608,13 +687,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
   Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(TileS{})));
   constexpr int kRows = decltype(size<0>(tScS))::value;
   float lse2[kRows], delta[kRows];
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const int64_t row = m0 + get<0>(tScS(r, 0));
-    lse2[r] = lse_log2_of(p.lse + stat_off, row, seqlen_q);
-    delta[r] = row < seqlen_q ? p.delta[stat_off + row] : 0.f;
-  }
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  load_row_stats(tScS, p, bm, stat_off, m0, lse2, delta);
+  const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
+  const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
 
   for (int64_t i = 0; i < n_iters; ++i) {
     const int64_t n0 = (n_block_min + i) * kN;
@@ -626,19 +701,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
     Tensor acc_s = partition_fragment_C(mma, TileS{});
     clear(acc_s);
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage_offset), mma, copy_a, copy_b, thr_copy_a, thr_copy_b);
-    Tensor s_rc = rowcol(acc_s);
     const bool needs_mask =
-        n0 + kN > seqlen_k || !block_fully_visible(p.mask, m0, m_end, n0, cute::min(n0 + kN, seqlen_k));
+        segments || n0 + kN > bm.kv_len || !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN);
     if (needs_mask) {
-      scores_to_probs<true>(s_rc, tScS, lse2, scale_log2, p.mask, m0, n0, seqlen_k);
+      recompute_scores<kExtras, true, kN>(acc_s, tScS, p, bm, m0, n0);
     } else {
-      scores_to_probs<false>(s_rc, tScS, lse2, scale_log2, p.mask, m0, n0, seqlen_k);
+      recompute_scores<kExtras, false, kN>(acc_s, tScS, p, bm, m0, n0);
     }
+    Tensor s_rc = rowcol(acc_s);
+    scores_to_probs(s_rc, lse2, score_log2);
     Tensor acc_dp = partition_fragment_C(mma, TileS{});
     clear(acc_dp);
     gemm_ss(acc_dp, tSrQ, tSrK, tSsdO, at_offset(tSsV, stage_offset), mma, copy_a, copy_b, thr_copy_a, thr_copy_b);
     Tensor dp_rc = rowcol(acc_dp);
-    dprobs_to_dscores(dp_rc, s_rc, delta);
+    dprobs_to_dscores<kExtras>(dp_rc, s_rc, tScS, delta, lse2, extras, uint32_t(head), m0, n0);
 
     Tensor rdS = convert_fragment<T>(acc_dp);
     Tensor tQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));

@@ -21,6 +21,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "mask.h"
+#include "mask_tile.cuh"
 #include "params.h"
 #include "softmax.cuh"
 #include "traits.cuh"
@@ -162,8 +163,9 @@ __forceinline__ __device__ auto acc_as_a_operand(Layout const& acc) {
 }
 
 // ---- the kernel ------------------------------------------------------------------------------------
-
-template <class Tr>
+// Masks come from mask_tile.cuh. kExtras compiles in segment ids, softcap and dropout: the variant without
+// them (windows, lengths and causal need no extras) keeps the registers of the plain kernel.
+template <class Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
   using T = typename Tr::Element;
@@ -203,8 +205,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   Tensor tOgO = gmem_thr_copy_o.partition_D(gO);
   Tensor tOcO = gmem_thr_copy_o.partition_D(cQ);
 
+  const BatchMask bm = batch_mask(p.mask, batch, seqlen_q, seqlen_k);
+  const int64_t m_valid_end = cute::min(m_end, bm.q_len);  // rows past q_len see nothing
   int64_t key_begin, key_end;
-  visible_key_range(p.mask, m0, m_end, seqlen_k, &key_begin, &key_end);
+  visible_key_range(bm, m0, m_end, &key_begin, &key_end);
+  const bool segments = kExtras && bm.q_seg != nullptr;
+  if (segments && key_begin < key_end)  // packed documents: only the keys of this block's documents
+    narrow_by_ids<Tr::kNThreads>(bm.q_seg, m0, m_valid_end, bm.kv_seg, &key_begin, &key_end,
+                                 reinterpret_cast<int*>(smem_raw));
   const int n_block_min = int(key_begin / kN);
   const int n_block_max = key_end > key_begin ? int((key_end + kN - 1) / kN) : n_block_min;
   const int n_iters = n_block_max - n_block_min;
@@ -273,15 +281,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   // out in the order [Q+K_0], V_0, K_1, V_1, ...; iteration i issues V_{i+S−1} once every thread is past
   // P·V_{i−1} and K_{i+S} once every thread is past Q·K_iᵀ. So 2(S−1) groups may still be in flight when
   // K_i or V_i is needed. Empty groups are committed past the end to keep that count exact.
-  // Only the first block of the loop (the highest, which may hold the end of the sequence) can be
-  // partial: every later one is full and is copied without row predicates or zero-fill.
+  // Only the first block of the loop (the highest, which may hold the end of the visible keys) can be
+  // partial: every later one is full and is copied without row predicates or zero-fill. Keys past the
+  // visible range are zero-filled, never read (past kv_len they may hold anything, even NaN).
   auto load_kv = [&](auto const& tXgX, auto const& tXsX, int i) {
     if (i < n_iters) {
       const int n_block = n_block_max - 1 - i;
       Tensor dst = at_offset(tXsX, (i % kStages) * Tr::kKVElems);
       if (i == 0) {
         copy_rows</*kZeroFill=*/true>(gmem_copy, tXgX(_, _, _, n_block), dst, tKVcKV,
-                                      seqlen_k - int64_t(n_block) * kN);
+                                      key_end - int64_t(n_block) * kN);
       } else {
         copy(gmem_copy, tXgX(_, _, _, n_block), dst);
       }
@@ -291,7 +300,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   auto load_k = [&](int i) { load_kv(tKgK, tKsK, i); };
   auto load_v = [&](int i) { load_kv(tVgV, tVsV, i); };
 
-  copy_rows</*kZeroFill=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, m_end - m0);
+  copy_rows</*kZeroFill=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, m_valid_end - m0);
   load_k(0);  // the first group also carries Q
   CUTE_UNROLL
   for (int s = 0; s + 1 < kStages; ++s) {
@@ -300,14 +309,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   }
 
   constexpr int kInFlight = 2 * (kStages - 1);
-  const float scale_log2 = p.scale * 1.4426950408889634f;  // exp(x) = exp2(x·log2(e))
+  const float softcap = kExtras ? p.softcap : 0.f;
+  // The softmax sees scale·S, or the soft-capped scores, which are already scaled; exp(x) = exp2(x·log2 e).
+  const float score_scale = softcap > 0.f ? 1.f : p.scale;
+  const float scale_log2 = score_scale * 1.4426950408889634f;
+  const bool dropout = kExtras && p.dropout.rate > 0.f;
+  const DropoutDraw draw = dropout ? dropout_draw(p.dropout, batch) : DropoutDraw{};
   constexpr int kRows = 2 * decltype(size<1>(acc_o))::value;  // query rows this thread holds
   OnlineSoftmax<kRows> softmax;
 
   // Only blocks that straddle the sequence end or the mask boundary pay the per-element predicate.
+  // With segment ids every block is masked (its ids are only known element by element).
   auto block_needs_mask = [&](int i) {
     const int64_t n0 = int64_t(n_block_max - 1 - i) * kN;
-    return n0 + kN > seqlen_k || !block_fully_visible(p.mask, m0, m_end, n0, cute::min(n0 + kN, seqlen_k));
+    return segments || n0 + kN > bm.kv_len || m_end > bm.q_len ||
+           !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN);
   };
   auto iteration = [&](int i, auto masked) __attribute__((always_inline)) {
     const int n_block = n_block_max - 1 - i;
@@ -327,28 +343,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     __syncthreads();
     load_k(i + kStages);
 
-    if constexpr (decltype(masked)::value) {
-      // A row's visible keys are one contiguous range (mask.h); compare block-local int columns to it.
-      Tensor s_rc = rowcol(acc_s);
-      Tensor c_rc = rowcol(tScS);
-      CUTE_UNROLL
-      for (int r = 0; r < size<0>(s_rc); ++r) {
-        const int64_t row = m0 + get<0>(c_rc(r, 0));
-        int64_t lo, hi;
-        visible_key_range(p.mask, row, row + 1, seqlen_k, &lo, &hi);
-        const int lo_local = int(cute::max(lo - n0, int64_t(0)));
-        const int hi_local = int(cute::min(hi - n0, int64_t(kN)));
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) {
-          const int col = get<1>(c_rc(r, c));
-          if (col < lo_local || col >= hi_local) s_rc(r, c) = -INFINITY;
-        }
-      }
-    }
-
+    if (softcap > 0.f) softcap_scores(acc_s, p.scale, softcap);
     Tensor s_rc = rowcol(acc_s);
+    Tensor c_rc = rowcol(tScS);
+    if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, bm, m0, n0);
+
     Tensor o_rc = rowcol(acc_o);
-    softmax.update(s_rc, o_rc, scale_log2);
+    softmax.update(s_rc, o_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
+    if (dropout) {
+      for_each_keep(c_rc, draw, uint32_t(head), m0, n0, [&](int r, int c, bool keep) {
+        if (!keep) s_rc(r, c) = 0.f;
+      });
+    }
 
     Tensor rP = convert_fragment<T>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
@@ -368,7 +374,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   float lse[kRows];
   {
     Tensor o_rc = rowcol(acc_o);
-    softmax.finalize(o_rc, p.scale, lse);
+    softmax.finalize(o_rc, score_scale, dropout ? 1.f / (1.f - p.dropout.rate) : 1.f, lse);
   }
   Tensor rO = convert_fragment<T>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename Tr::SmemLayoutQ{});

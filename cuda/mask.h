@@ -100,6 +100,18 @@ JAXFLASH_HD void visible_key_range(const BatchMask& bm, int64_t row_begin, int64
   visible_key_range(bm.m, row_begin, row_end, bm.kv_len, key_begin, key_end);
 }
 
+// Query rows of one batch element that can see some key of [key_begin, key_end): keys clamped to kv_len,
+// rows to q_len.
+JAXFLASH_HD void visible_query_range(const BatchMask& bm, int64_t key_begin, int64_t key_end, int64_t* row_begin,
+                                     int64_t* row_end) {
+  key_end = key_end < bm.kv_len ? key_end : bm.kv_len;
+  if (key_begin >= key_end) {
+    *row_begin = *row_end = 0;
+    return;
+  }
+  visible_query_range(bm.m, key_begin, key_end, bm.q_len, row_begin, row_end);
+}
+
 // Segment ids let a block be skipped when the ids of its rows and of its keys cannot meet: with ids
 // sorted (packed documents) their [min, max] ranges are disjoint. Unsorted ids only lose the skip.
 struct IdRange {

@@ -88,9 +88,10 @@ struct OnlineSoftmax {
     }
   }
 
-  // Divides `o` (rowcol view) by the row sums and returns each row's LSE (natural log) in `lse`.
+  // Divides `o` (rowcol view) by the row sums, times `o_scale` (dropout's 1 / (1 − rate)), and returns each
+  // row's LSE (natural log) in `lse`; `scale` is the factor update() applied to the scores.
   template <class TO>
-  __forceinline__ __device__ void finalize(TO& o, float scale, float (&lse)[kNRows]) {
+  __forceinline__ __device__ void finalize(TO& o, float scale, float o_scale, float (&lse)[kNRows]) {
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
       float sum = row_sum[r];
@@ -98,7 +99,7 @@ struct OnlineSoftmax {
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const bool empty = !(sum > 0.f);
       lse[r] = empty ? -INFINITY : row_max[r] * scale + logf(sum);
-      const float inv = empty ? 0.f : 1.f / sum;
+      const float inv = empty ? 0.f : o_scale / sum;
 #pragma unroll
       for (int c = 0; c < cute::size<1>(o); ++c) o(r, c) *= inv;
     }

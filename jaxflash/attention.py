@@ -86,10 +86,6 @@ def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_i
     lengths = _check_lengths(q_lengths, kv_lengths, lead, sq, sk)
     dropout_rate, key_words = _check_dropout(dropout_rate, dropout_key)
     backend = _resolve_backend(backend, query)
-    if backend == "cuda" and (seg or lengths or softcap or left >= 0 or right > 0 or not bottom_right or dropout_rate):
-        _fail(NotImplementedError, "the CUDA kernels support no mask but causal=True and no dropout yet; segment "
-                                   "ids, lengths, softcap, windows and dropout run on the CPU kernel (inputs on the "
-                                   "CPU) or with backend='reference'")
 
     if backend == "reference":
         out, lse = reference.attention_with_lse(

@@ -69,6 +69,17 @@ for dtype, d, sq, sk, hq, hk, causal in [("bfloat16", 64, 113, 203, 4, 2, True),
         _, vjp = jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, deterministic=det,
                                                             backend="cuda"), q, k, v)
         assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in vjp(jnp.ones_like(q)))
+# Masks, softcap and dropout (the kernels' kExtras variant and the masked paths of the plain one).
+q = jnp.asarray(rng.standard_normal((2, 150, 4, 128)), "bfloat16")
+k = jnp.asarray(rng.standard_normal((2, 170, 2, 128)), "bfloat16")
+ids_q = jnp.asarray(np.sort(rng.integers(0, 4, (2, 150))), jnp.int32)
+ids_k = jnp.asarray(np.sort(rng.integers(0, 4, (2, 170))), jnp.int32)
+for kw in [dict(window=(40, 3), q_lengths=jnp.array([150, 70]), kv_lengths=jnp.array([99, 170])),
+           dict(causal=True, q_segment_ids=ids_q, kv_segment_ids=ids_k, softcap=5.0),
+           dict(dropout_rate=0.2, dropout_key=jax.random.key(1), window=(None, 7))]:
+    for det in (False, True):
+        o, vjp = jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v, deterministic=det, backend="cuda", **kw), q, k, k)
+        assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in (o, *vjp(jnp.ones_like(q))))
 print("small forward and backward cases ran")
 PYEOF
 for tool in memcheck racecheck; do

@@ -130,10 +130,3 @@ def test_legacy_uint32_key_is_accepted():
     a = jaxflash.attention(q, k, v, dropout_rate=0.5, dropout_key=jax.random.PRNGKey(3))
     b = jaxflash.attention(q, k, v, dropout_rate=0.5, dropout_key=jax.random.key(3))
     assert np.array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.gpu
-def test_cuda_backend_rejects_dropout():
-    q, k, v, _ = make_inputs(27, (1,), 16, 16, 2, 2, 64, DTYPES["bfloat16"])
-    with pytest.raises(NotImplementedError, match="no dropout yet"):
-        jaxflash.attention(q, k, v, dropout_rate=0.1, dropout_key=jax.random.key(0))

@@ -149,12 +149,3 @@ def test_reference_backend_takes_masks():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
     c = reference.attention(q, k, v, **kw)
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-6)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kw", [dict(window=(8, 0)), dict(softcap=3.0), dict(kv_lengths=jnp.array([5, 9]))],
-                         ids=["window", "softcap", "lengths"])
-def test_cuda_backend_rejects_masks_it_does_not_implement(kw):
-    q, k, v, _ = make_inputs(7, LEAD, 16, 16, 2, 2, 64, DTYPES["bfloat16"])
-    with pytest.raises(NotImplementedError, match="CUDA kernels support no mask but causal"):
-        jaxflash.attention(q, k, v, **kw)

@@ -1,0 +1,164 @@
+// Masks, softcap and dropout applied to a score tile in registers, shared by the forward and backward
+// kernels so both passes see the same visibility (mask.h's rule) and the same dropout pattern (philox.h's).
+// A tile is an mma.sync m16n8k16 accumulator seen through softmax.cuh's rowcol view: element (r, c) is query
+// row0 + row(r), key col0 + col(c), with (row, col) read from an identity tensor partitioned the same way.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "mask.h"
+#include "philox.h"
+
+namespace jaxflash {
+
+// tanh(x) = 1 − 2 / (e^{2x} + 1): one EX2 and one fast reciprocal, absolute error ~1e-7 and exact limits ±1.
+// (tanh.approx's ~5e-4 relative error would show in the softmax of scores near the cap.)
+__forceinline__ __device__ float tanh_accurate(float x) {
+  return 1.f - __fdividef(2.f, exp2f(x * 2.8853900817779268f) + 1.f);
+}
+
+// acc <- cap · tanh(scale · acc / cap): raw Q·Kᵀ becomes the soft-capped, scaled score.
+template <class TensorT>
+__forceinline__ __device__ void softcap_scores(TensorT& acc, float scale, float cap) {
+  const float k = scale / cap;
+  CUTE_UNROLL
+  for (int e = 0; e < cute::size(acc); ++e) acc(e) = cap * tanh_accurate(acc(e) * k);
+}
+
+// s (rowcol view) gets −inf wherever bm hides (row, col). A row's structurally visible keys are one range
+// (mask.h), compared as tile-local ints; rows past q_len see nothing; segment ids (kSegments: compiled in)
+// are compared per element, columns outer so that one key id is live at a time.
+template <int kTileN, bool kSegments, class TS, class TC>
+__forceinline__ __device__ void mask_scores(TS& s, TC const& coords, const BatchMask& bm, int64_t row0,
+                                            int64_t col0) {
+  constexpr int kRows = decltype(cute::size<0>(s))::value, kCols = decltype(cute::size<1>(s))::value;
+  int lo[kRows], hi[kRows];
+  int32_t qid[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + cute::get<0>(coords(r, 0));
+    int64_t a, b;
+    visible_key_range(bm, row, row + 1, &a, &b);  // empty past q_len, clamped to kv_len
+    a -= col0;
+    b -= col0;
+    lo[r] = int(a < 0 ? 0 : (a > kTileN ? kTileN : a));
+    hi[r] = int(b < 0 ? 0 : (b > kTileN ? kTileN : b));
+    qid[r] = (kSegments && bm.q_seg != nullptr && lo[r] < hi[r]) ? bm.q_seg[row] : 0;
+  }
+  if (kSegments && bm.q_seg != nullptr) {
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int col = cute::get<1>(coords(0, c));
+      const int64_t j = col0 + col;
+      const int32_t kid = j < bm.kv_len ? bm.kv_seg[j] : 0;  // past kv_len the range check already hides it
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r)
+        if (col < lo[r] || col >= hi[r] || kid != qid[r]) s(r, c) = -INFINITY;
+    }
+  } else {
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int col = cute::get<1>(coords(0, c));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r)
+        if (col < lo[r] || col >= hi[r]) s(r, c) = -INFINITY;
+    }
+  }
+}
+
+// Shrinks [*b_begin, *b_end) to its first and last index whose id lies in [min, max] of a_ids[a_begin, a_end):
+// for packed documents (sorted ids) exactly the keys (or queries) that can meet the block; unsorted ids only
+// lose some of the skipping. Every thread of the block calls it; `scratch` is 4 ints of shared memory, free
+// again on return.
+template <int kThreads>
+__device__ void narrow_by_ids(const int32_t* a_ids, int64_t a_begin, int64_t a_end, const int32_t* b_ids,
+                              int64_t* b_begin, int64_t* b_end, int* scratch) {
+  const int tid = threadIdx.x, lane = tid % 32;
+  if (tid == 0) {
+    scratch[0] = INT_MAX;
+    scratch[1] = INT_MIN;
+    scratch[2] = INT_MAX;
+    scratch[3] = -1;
+  }
+  __syncthreads();
+  int lo = INT_MAX, hi = INT_MIN;
+  for (int64_t i = a_begin + tid; i < a_end; i += kThreads) {
+    const int id = a_ids[i];
+    lo = min(lo, id);
+    hi = max(hi, id);
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  if (lane == 0) {
+    atomicMin(&scratch[0], lo);
+    atomicMax(&scratch[1], hi);
+  }
+  __syncthreads();
+  lo = scratch[0];
+  hi = scratch[1];
+  const int64_t base = *b_begin;
+  const int n = int(*b_end - base);
+  int first = INT_MAX, last = -1;
+#pragma unroll 4
+  for (int j = tid; j < n; j += kThreads) {
+    const int id = b_ids[base + j];
+    if (id >= lo && id <= hi) {
+      first = min(first, j);
+      last = j;
+    }
+  }
+  first = __reduce_min_sync(0xffffffffu, first);
+  last = __reduce_max_sync(0xffffffffu, last);
+  if (lane == 0) {
+    atomicMin(&scratch[2], first);
+    atomicMax(&scratch[3], last);
+  }
+  __syncthreads();
+  first = scratch[2];
+  last = scratch[3];
+  __syncthreads();  // scratch is free again (it aliases a tile the caller loads next)
+  if (last < 0) {
+    *b_end = *b_begin;
+  } else {
+    *b_begin = base + first;
+    *b_end = base + last + 1;
+  }
+}
+
+// Calls f(r, c, keep) for every element of a rowcol tile, keep = philox.h's decision for (head, row, col).
+// In an m16n8k16 accumulator a lane holds rows {R, R+8} x columns {2q, 2q+1} of each atom, and its partner
+// (lane ^ 1) the same rows x the other two columns of the same group of four. One Philox call gives the four
+// keep bits of one (row, group): each lane computes one of the two rows and swaps with its partner, so every
+// call serves four of the lane's elements. All 32 lanes must call it together.
+template <class TC, class F>
+__forceinline__ __device__ void for_each_keep(TC const& coords, const DropoutDraw& d, uint32_t head, int64_t row0,
+                                              int64_t col0, F&& f) {
+  constexpr int kRows = decltype(cute::size<0>(coords))::value, kCols = decltype(cute::size<1>(coords))::value;
+  static_assert(kRows % 2 == 0 && kCols % 2 == 0);
+  const int parity = threadIdx.x & 1;
+  CUTE_UNROLL
+  for (int m = 0; m < kRows / 2; ++m) {
+    const uint32_t row = uint32_t(row0 + cute::get<0>(coords(2 * m + parity, 0)));
+    CUTE_UNROLL
+    for (int n = 0; n < kCols / 2; ++n) {
+      const uint32_t group = uint32_t((col0 + cute::get<1>(coords(0, 2 * n))) >> 2);
+      const uint32_t own = dropout_keep4(d, head, row, group);
+      const uint32_t other = __shfl_xor_sync(0xffffffffu, own, 1);
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t bits = h == parity ? own : other;
+        CUTE_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const int c = 2 * n + e;
+          const uint32_t col = uint32_t(col0 + cute::get<1>(coords(0, c)));
+          f(2 * m + h, c, ((bits >> (col & 3)) & 1u) != 0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace jaxflash
