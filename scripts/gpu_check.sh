@@ -4,17 +4,20 @@
 # nvidia-cutlass in .whl/ is installed to /tmp/site when the package is missing).
 #   1. build and install jaxflash without build isolation, CUDA required (JAXFLASH_CUDA=ON);
 #   2. pytest -m gpu: forward and backward vs the float64 oracle (every dtype and head dim, odd lengths, GQA,
-#      causal, poisoned outputs, determinism, jit/vmap/grad on the GPU);
-#   3. compute-sanitizer memcheck and racecheck on small forward and backward cases;
+#      causal, every mask kind, softcap, dropout incl. CPU/CUDA mask equality, NaN padding, poisoned outputs,
+#      determinism, jit/vmap/grad on the GPU);
+#   3. compute-sanitizer memcheck and racecheck on small forward and backward cases (masks and dropout too);
 #   4. the benchmarks: `python -m jaxflash.bench --suite S` for each S in BENCH_SUITES (default "targets masks
 #      dropout": the CUDA issues' target shapes, the mask speedups, the dropout cost; "sweep" is the full grid),
 #      each with --out $LOG/bench_S (CSV, JSON, PNG); BENCH_ARGS passes further options to every suite.
 # Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table.
 # Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BUILD=1, SKIP_SANITIZER=1,
-# SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_ARGS (default "-n 8" when pytest-xdist is installed: ~4 min
-# for the forward tests on 16 cores; "-n 16" ran out of GPU memory next to the 17 GB 64-bit-offset test). Everything takes ~11 minutes on
-# one H200: over the device tool's 10-minute call limit, so run it there as two calls (SKIP_BENCH=1, then
-# SKIP_SANITIZER=1 with PYTEST_ARGS="-k nothing" and the benchmarks).
+# SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_ARGS (default "-n 8" when pytest-xdist is installed; "-n 16"
+# once ran out of GPU memory next to the 17 GB 64-bit-offset test). Timing on one H200 (16 cores): build
+# 130-145 s for 90a-real; the 380 GPU tests take more than 6 minutes with -n 12; sanitizers ~30 s; the masks
+# and dropout suites ~25 s with --impls jaxflash. Over the device tool's 10-minute call limit, so run it there
+# in parts, each rebuilding on a fresh machine (SKIP_BENCH=1 with PYTEST_ARGS selecting test files; then the
+# benchmarks with PYTEST_ARGS="-k nothing").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-$(mktemp -d)}"
