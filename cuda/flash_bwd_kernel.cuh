@@ -7,7 +7,8 @@
 // dK and dV of a K/V head are summed over the query heads of its GQA group; repeated K/V are never formed.
 // Layouts (params.h): q, o, do, dq, dq_accum [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hk, D]; lse, dlse,
 // delta [B, Hq, Sq] float32. Visibility comes from mask.h; rows with LSE = −inf (they see no key) get P = 0,
-// so they contribute nothing and never produce inf or NaN.
+// so they contribute nothing and never produce inf or NaN. Softcap multiplies dS by 1 − tanh²; dropout uses
+// P ∘ Z for dV and dP ∘ Z in dS, Z = keep / (1 − rate) redrawn from the forward's counters (dprobs_to_dscores).
 //
 // Kernels, launched in this order by run_bwd (launch_bwd.cuh):
 //   1. preprocess: delta, and dq_accum cleared (atomic mode);

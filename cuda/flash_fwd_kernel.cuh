@@ -4,8 +4,10 @@
 //   o[b, i, h, :] = softmax_j(scale · q[b,i,h,:]·k[b,j,hk,:], j visible to i) · v[b, :, hk, :]
 //   lse[b, h, i]  = log Σ_{j visible} exp(scale · q·k)          (natural log; −inf when no j is visible)
 // with hk = h / (Hq / Hk) (GQA/MQA by index). Layouts (params.h): q, o [B, Sq, Hq, D]; k, v [B, Sk, Hk, D];
-// lse [B, Hq, Sq] float32. Visibility comes from mask.h only. The LSE is the residual the backward pass
-// uses to recompute P = exp(scale·S − LSE) without a second softmax.
+// lse [B, Hq, Sq] float32. Visibility comes from mask.h only (through mask_tile.cuh). With a softcap c the
+// scores are c·tanh(scale·q·k / c); with dropout the kept probabilities are scaled by 1 / (1 − rate) before
+// P·V, and the LSE stays that of the undropped softmax. The LSE is the residual the backward pass uses to
+// recompute P = exp(score − LSE) without a second softmax.
 //
 // One thread block owns kBlockM query rows of one (b, h) and loops over the visible K/V blocks, last to
 // first, so the blocks that need the per-element mask (the sequence tail, the causal diagonal) come first
