@@ -149,3 +149,15 @@ def test_reference_backend_takes_masks():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
     c = reference.attention(q, k, v, **kw)
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-6)
+
+
+def test_padding_past_lengths_never_leaks():
+    """Keys and queries past the lengths may hold anything, even NaN: results equal those of clean inputs."""
+    q, k, v, do = make_inputs(8, LEAD, 150, 170, 4, 2, 32, DTYPES["float32"])
+    ql, kl = jnp.array([150, 61], jnp.int32), jnp.array([97, 170], jnp.int32)
+    past_q = jnp.arange(150)[None, :, None, None] >= ql[:, None, None, None]
+    past_k = jnp.arange(170)[None, :, None, None] >= kl[:, None, None, None]
+    dirty = [jnp.where(past, jnp.nan, x) for past, x in ((past_q, q), (past_k, k), (past_k, v), (past_q, do))]
+    kind, kw = dict(causal=True), dict(q_lengths=ql, kv_lengths=kl)
+    for got, want in zip(run(*dirty, kind, kw, "cpu"), run(q, k, v, do, kind, kw, "cpu")):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
