@@ -12,12 +12,13 @@
 #      each with --out $LOG/bench_S (CSV, JSON, PNG); BENCH_ARGS passes further options to every suite.
 # Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table.
 # Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BUILD=1, SKIP_SANITIZER=1,
-# SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_ARGS (default "-n 8" when pytest-xdist is installed; "-n 16"
+# SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_PATHS (test files or folders relative to the repo, default
+# "tests"), PYTEST_ARGS (default "-n 8" when pytest-xdist is installed; "-n 16"
 # once ran out of GPU memory next to the 17 GB 64-bit-offset test). Timing on one H200 (16 cores): build
 # 130-145 s for 90a-real; the 380 GPU tests take more than 6 minutes with -n 12; sanitizers ~30 s; the masks
 # and dropout suites ~25 s with --impls jaxflash. Over the device tool's 10-minute call limit, so run it there
-# in parts, each rebuilding on a fresh machine (SKIP_BENCH=1 with PYTEST_ARGS selecting test files; then the
-# benchmarks with PYTEST_ARGS="-k nothing").
+# in parts, each rebuilding on a fresh machine: SKIP_BENCH=1 with PYTEST_PATHS="tests/test_gpu_forward.py
+# tests/test_gpu_backward.py", then PYTEST_PATHS=tests/test_gpu_masks.py with the benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-$(mktemp -d)}"
@@ -49,7 +50,9 @@ REPO="$OLDPWD"
 echo "== pytest -m gpu"
 default_pytest_args=""
 "$PY" -c "import xdist" 2>/dev/null && default_pytest_args="-n 8"
-if "$PY" -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS-$default_pytest_args} "$REPO/tests" \
+paths=()
+for path in ${PYTEST_PATHS:-tests}; do paths+=("$REPO/$path"); done
+if "$PY" -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS-$default_pytest_args} "${paths[@]}" \
     >"$LOG/pytest.log" 2>&1; then
   verdict "pytest -m gpu" "ok: $(tail -1 "$LOG/pytest.log")"
 else
