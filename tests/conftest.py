@@ -59,6 +59,13 @@ def check_close(name, got, ref64, naive, dtype_name, case=""):
     assert err <= bound, f"{name}: kernel error {err:.3e} > 2 x naive error {base:.3e} + floor ({case})"
 
 
+def poison(*like):
+    """Fill then free device buffers shaped like each of `like` (arrays or jax.ShapeDtypeStructs), so that
+    memory a kernel forgets to write reads as NaN: XLA's allocator hands the freed buffers out next."""
+    for x in like:
+        jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready().delete()
+
+
 def naive_forward(q, k, v, causal, scale=None):
     return reference.attention_with_lse(q, k, v, causal=causal, scale=scale)
 

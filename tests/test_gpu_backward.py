@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import oracle
-from conftest import check_close, f64, make_inputs, naive_grads
+from conftest import check_close, f64, make_inputs, naive_grads, poison
 from grid import case_id, cases
 
 import jaxflash
@@ -46,16 +46,8 @@ def _kernel_grads(q, k, v, do, causal, deterministic):
 _naive_grads = jax.jit(naive_grads, static_argnums=(4,))
 
 
-def _poison(*arrays):
-    """Fill then free device buffers shaped like the coming gradients (and the fp32 dq workspace), so
-    that stale memory reads as NaN."""
-    for x in arrays:
-        jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready().delete()
-    jnp.full(arrays[0].shape, jnp.nan, jnp.float32).block_until_ready().delete()
-
-
 def _run(q, k, v, do, causal, deterministic=False):
-    _poison(q, k, v)
+    poison(q, k, v, jax.ShapeDtypeStruct(q.shape, jnp.float32))  # the gradients and the fp32 dq workspace
     return jax.block_until_ready(_kernel_grads(q, k, v, do, causal, deterministic))
 
 

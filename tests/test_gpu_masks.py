@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 
 import oracle
-from conftest import DTYPES, check_close, f64, make_inputs
-from test_masks import KINDS, LEAD, mask_arrays
+from conftest import DTYPES, check_close, f64, make_inputs, poison
+from test_masks import KINDS, LEAD, mask_arrays, run
 
 import jaxflash
 from jaxflash import _ffi
-from jaxflash.attention import _attention
 
 pytestmark = pytest.mark.gpu
 
@@ -38,25 +37,6 @@ def _need_cuda_module():
         pytest.skip("jaxflash was built without its CUDA module")
 
 
-def _poison(*arrays):
-    """Fill then free device buffers shaped like the coming outputs, so stale memory reads as NaN."""
-    for x in arrays:
-        jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready().delete()
-
-
-def _run(q, k, v, do, kind, kw, backend, deterministic=False, rate=0.0, key=None):
-    opts = dict(causal=kind.get("causal", False), window=kind.get("window"), softcap=kind.get("softcap"),
-                q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"),
-                q_lengths=kw.get("q_lengths"), kv_lengths=kw.get("kv_lengths"))
-
-    def f(q, k, v):
-        return _attention(q, k, v, **opts, dropout_rate=rate, dropout_key=key, scale=None, return_lse=True,
-                          deterministic=deterministic, backend=backend, bottom_right=not kind.get("top_left", False))
-
-    (o, lse), vjp = jax.vjp(f, q, k, v)
-    return (o, lse, *vjp((do, jnp.zeros_like(lse))))
-
-
 @pytest.mark.parametrize("kind_name,shape,dtype,deterministic", CASES, ids=lambda x: str(x).replace(" ", ""))
 def test_cuda_masks_match_oracle(kind_name, shape, dtype, deterministic):
     kind = KINDS[kind_name]
@@ -64,9 +44,9 @@ def test_cuda_masks_match_oracle(kind_name, shape, dtype, deterministic):
     rng = np.random.default_rng(abs(hash((kind_name, shape, dtype))) % 2**32)
     q, k, v, do = make_inputs(int(rng.integers(2**31)), LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
     kw = mask_arrays(kind, rng, sq, sk)
-    _poison(q, k, v, q, k)
-    got = jax.block_until_ready(jax.jit(lambda *a: _run(*a, kind, kw, "cuda", deterministic))(q, k, v, do))
-    naive = _run(q, k, v, do, kind, kw, "reference")
+    poison(q, k, v, q, k)
+    got = jax.block_until_ready(jax.jit(lambda *a: run(*a, kind, kw, "cuda", deterministic))(q, k, v, do))
+    naive = run(q, k, v, do, kind, kw, "reference")
     ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=kind.get("causal", False),
                            softcap=kind.get("softcap"), window=kind.get("window"),
                            bottom_right=not kind.get("top_left", False), **kw)
@@ -86,8 +66,8 @@ def test_cuda_padding_past_lengths_never_leaks(d):
     kind = dict(causal=True)
     kw = dict(q_lengths=ql, kv_lengths=kl)
     for det in (False, True):
-        clean = _run(q, k, v, do, kind, kw, "cuda", det)
-        got = _run(*dirty, kind, kw, "cuda", det)
+        clean = run(q, k, v, do, kind, kw, "cuda", det)
+        got = run(*dirty, kind, kw, "cuda", det)
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, clean):
             np.testing.assert_array_equal(np.asarray(f64(a)), np.asarray(f64(b)), err_msg=name)
 
@@ -134,9 +114,9 @@ def test_cuda_dropout_matches_oracle(case, deterministic):
     q, k, v, do = make_inputs(sq + sk, LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
     kw = mask_arrays(kind, rng, sq, sk)
     key = jax.random.key(sq * 1000 + sk)
-    _poison(q, k, v, q, k)
-    got = jax.jit(lambda *a: _run(*a, kind, kw, "cuda", deterministic, rate, key))(q, k, v, do)
-    naive = _run(q, k, v, do, kind, kw, "reference", rate=rate, key=key)
+    poison(q, k, v, q, k)
+    got = jax.jit(lambda *a: run(*a, kind, kw, "cuda", deterministic, rate, key))(q, k, v, do)
+    naive = run(q, k, v, do, kind, kw, "reference", rate=rate, key=key)
     keep = np.asarray(jaxflash.dropout_mask(key, LEAD[0], hq, sq, sk, rate))
     ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=kind.get("causal", False),
                            softcap=kind.get("softcap"), window=kind.get("window"),
@@ -150,7 +130,7 @@ def test_cuda_extras_deterministic_mode_is_bitwise_reproducible():
     rng = np.random.default_rng(5)
     kw = mask_arrays(KINDS["causal-segments-lengths-softcap"], rng, 257, 300)
     kind = KINDS["causal-segments-lengths-softcap"]
-    f = jax.jit(lambda *a: _run(*a, kind, kw, "cuda", True, 0.2, jax.random.key(3)))
+    f = jax.jit(lambda *a: run(*a, kind, kw, "cuda", True, 0.2, jax.random.key(3)))
     a, b = f(q, k, v, do), f(q, k, v, do)
     for x, y in zip(a, b):
         assert np.array_equal(np.asarray(f64(x)), np.asarray(f64(y)))
