@@ -9,23 +9,24 @@ Suites (`--suite`):
   masks    D=128, S=16k: causal, window=(1024, 0), 16 packed documents of 1k tokens, softcap=30, each against
            the same implementation without a mask (fwd and fwd+bwd).
   dropout  D=128, S=16k, fwd+bwd with dropout_rate=0.1 against 0.
-  seed     the seed note's comparison: D=128, N in {1k, 8k}: speedup and memory saved over standard attention.
+  seed     the seed note's comparison: D=128, N in {1k, 8k}: speedup and memory saved over standard attention
+           (`xla` on a GPU, `reference` on the CPU).
 Implementations: jaxflash (`jaxflash-det`: deterministic=True, on request); standard attention (`reference`:
 jaxflash.reference, materialising jnp; `xla`: jax.nn.dot_product_attention's XLA path); cuDNN through jax.nn;
-flash_attn_jax and Pallas Triton when they import (GPU). A mask or dropout that an implementation cannot express
-leaves it out of that row; a feature that raises NotImplementedError shows as "n/a (not implemented)".
+flash_attn_jax and Pallas Triton when they import (GPU). A mask, dropout or GQA that an implementation cannot
+express leaves it out of that row; a feature that raises NotImplementedError shows as "n/a (not implemented)".
 
-Method. Before timing, every implementation is checked against a float64 NumPy oracle on a smaller case of the
-same configuration (B=1, S=300, 2 heads or one GQA group, the same head dim, dtype, mask and dropout): max
-|impl - oracle| / max |oracle| over o (and dq, dk, dv for fwd+bwd) must stay under 2e-2 (1e-3 in float32);
-one that fails is not timed and the command exits 1. Timing on a GPU: CUPTI device time
+Method. Before timing, every implementation is checked against a float64 NumPy oracle on a smaller case of the same
+configuration (B=1, S=300 (384 for Pallas, which needs S % 128 == 0), 2 heads or one GQA group, the same head dim,
+dtype, mask and dropout): max |impl - oracle| / max |oracle| over o (and dq, dk, dv for fwd+bwd) must stay under
+2e-2 (1e-3 in float32); one that fails is not timed and the command exits 1. Timing on a GPU: CUPTI device time
 (jax.experimental.mosaic.gpu.profiler.measure, every kernel of one call summed), `--reps` calls on each of two
 input sets larger than L2, median (without CUPTI: wall time of 2 x reps back-to-back calls and one final
 block_until_ready); on the CPU: median wall time of `--reps` synchronised calls. One fwd+bwd call is a jitted
-forward plus jax.vjp (dq, dk, dv). FLOPs: 4*B*H*Sq*Sk*D times the visible fraction of the score matrix (1/2
-for causal, FlashAttention's convention); fwd+bwd 3.5x that. Peak memory: XLA's buffer assignment of the
-compiled call (arguments + outputs + temporaries - aliased), on every platform: a device's peak
-memory_stats cannot be reset between runs.
+forward plus jax.vjp (dq, dk, dv). FLOPs: 4*B*H*Sq*Sk*D times the visible fraction of the score matrix (1/2 for
+causal, FlashAttention's convention); fwd+bwd 3.5x that. Peak memory: XLA's buffer assignment of the compiled call
+(arguments + outputs + temporaries - aliased), on every platform: a device's peak memory_stats cannot be reset
+between runs.
 
 `--out DIR` writes results.csv, results.json and tflops.png (TFLOP/s against S per implementation).
 """
@@ -105,13 +106,13 @@ def _jax_nn(implementation):
     return attn
 
 
-# name -> (attention(q, k, v, kw), the keywords beyond `causal` it can express)
+# name -> (attention(q, k, v, kw), the keywords beyond `causal` it can express; "gqa": fewer key/value heads)
 IMPLS = {
     "jaxflash": (lambda q, k, v, kw: jaxflash.attention(q, k, v, **kw), None),
     "jaxflash-det": (lambda q, k, v, kw: jaxflash.attention(q, k, v, deterministic=True, **kw), None),
     "reference": (lambda q, k, v, kw: jaxflash.reference.attention(q, k, v, **kw), None),
-    "xla": (_jax_nn("xla"), {"window"}),
-    "cudnn": (_jax_nn("cudnn"), {"window"}),
+    "xla": (_jax_nn("xla"), {"window", "gqa"}),
+    "cudnn": (_jax_nn("cudnn"), {"window", "gqa"}),
 }
 
 
@@ -119,8 +120,9 @@ def _add_peers():
     """Peers that import on this machine (GPU only), under their package names."""
     try:
         from flash_attn_jax import flash_mha
-        IMPLS["flash_attn_jax"] = (lambda q, k, v, kw: flash_mha(q, k, v, is_causal=kw["causal"],
-                                                                 window_size=kw.get("window", (-1, -1))), {"window"})
+        IMPLS["flash_attn_jax"] = (
+            lambda q, k, v, kw: flash_mha(q, k, v, is_causal=kw["causal"], window_size=kw.get("window", (-1, -1))),
+            {"window", "gqa"})
     except Exception:  # noqa: BLE001  (absent, or built for another jax)
         pass
     try:
@@ -129,6 +131,9 @@ def _add_peers():
                                                    causal=kw["causal"]), set())
     except Exception:  # noqa: BLE001
         pass
+
+
+CHECK_LEN = {"pallas": 384}  # Pallas' mha needs S % 128 == 0
 
 
 def supports(impl, kw):
@@ -200,8 +205,9 @@ def oracle(q, k, v, do, *, mask, keep=None, rate=0.0, softcap=None):
 
 
 def check_error(impl, case, pass_, hq, hkv, d, dtype):
-    """max |impl - oracle| / max |oracle| over every output, on B=1, S=300 of the same config."""
-    b, s = 1, 300
+    """max |impl - oracle| / max |oracle| over every output, on B=1, S=300 of the same config (S=384 for the
+    implementations whose kernels need S to be a multiple of their block)."""
+    b, s = 1, CHECK_LEN.get(impl, 300)
     hq, hkv = (2, 2) if hq == hkv else (hq // hkv, 1)
     args = inputs(99, b, s, hq, hkv, d, dtype, pass_)
     kw = case.kwargs(b, s)
@@ -335,7 +341,8 @@ def plan(args, gpu):
     def job(suite, case, pass_, s, d, names, b=None, h=None, hkv=None, **base):
         b0, h0 = shape(s, d)
         b, h = b or b0, h or h0
-        names = [n for n in names if supports(n, case.kwargs(1, 16))]
+        gqa = {"gqa": True} if hkv and hkv != h else {}
+        names = [n for n in names if supports(n, {**case.kwargs(1, 16), **gqa})]
         return Job(suite, case, pass_, b, h, hkv or h, s, d, names, **base)
 
     jobs = []
@@ -367,7 +374,7 @@ def plan(args, gpu):
             impls = [n for n in impls if supports(n, DROPOUT.kwargs(1, 16))]
         jobs = [job(args.suite, c, p, s, d, impls, base_case="full") for p in passes for s in seqs for c in cases]
     elif args.suite == "seed":
-        names = [n for n in impls if n not in ("reference", "xla")] + ["reference"] + ["xla"] * gpu
+        names = [n for n in impls if n != standard] + [standard]  # the baseline last
         for pass_ in args.passes:
             for s in args.seqlens or [1024, 8192]:
                 b, h = (None, None) if gpu else (1, 1)  # CPU: one head keeps the materialised 8k x 8k small
@@ -434,7 +441,8 @@ def run(jobs, args, dtype):
                 checked[key] = ("n/a (not implemented)", float("nan"))
                 row["status"] = checked[key][0]
             except Exception as e:  # noqa: BLE001  (a peer that fails, or memory)
-                row["status"] = "OOM" if "RESOURCE_EXHAUSTED" in str(e) else f"error: {type(e).__name__}"
+                row["status"] = ("OOM (shared memory)" if "Shared memory size limit" in str(e) else "OOM"
+                                 if "RESOURCE_EXHAUSTED" in str(e) else f"error: {type(e).__name__}")
                 print(f"# {impl} {job.case.label} {job.pass_} d={job.d} s={job.s}: {type(e).__name__}: "
                       f"{str(e)[:300]}", flush=True)
         del sets
@@ -562,7 +570,8 @@ def main(argv=None):
                 jaxflash=jaxflash.__version__, python=platform.python_version(), suite=args.suite,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 argv=sys.argv[1:] if argv is None else list(argv), dtype=dtype.name, reps=args.reps,
-                check="float64 NumPy oracle on B=1, S=300 of the same config; max error / max |oracle|",
+                check="float64 NumPy oracle on B=1, S=300 (384: pallas) of the same config; max error / max "
+                      "|oracle|",
                 memory="XLA buffer assignment of the compiled call: arguments + outputs + temporaries - aliased")
     print(f"jaxflash.bench --suite {args.suite} on {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__},"
           f" {dtype.name}", flush=True)

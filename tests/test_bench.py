@@ -1,4 +1,5 @@
 """`python -m jaxflash.bench` on the CPU: a tiny sweep, its files, and the check that refuses a wrong kernel."""
+import argparse
 import csv
 import json
 import math
@@ -111,3 +112,23 @@ def test_not_implemented_shows_as_na(monkeypatch, capsys):
                        "--impls", "jaxflash"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("dropout ")]
     assert len(lines) == 2 and "n/a" not in lines[0] and lines[1].endswith("n/a (not implemented)")
+
+
+def _gpu_plan(**kw):
+    args = argparse.Namespace(suite="sweep", impls=None, quick=False, head_dims=None, seqlens=None,
+                              passes=["fwd"], batch=None, heads=None)
+    vars(args).update(kw)
+    return bench.plan(args, gpu=True)
+
+
+def test_gqa_rows_leave_out_an_implementation_without_gqa(monkeypatch):
+    monkeypatch.setitem(bench.IMPLS, "nogqa", (lambda q, k, v, kw: None, {"window"}))
+    jobs = _gpu_plan(impls=["jaxflash", "nogqa", "cudnn"])
+    gqa = [j for j in jobs if j.hq != j.hkv]
+    assert gqa and all(j.impls == ["jaxflash", "cudnn"] for j in gqa)
+    assert all("nogqa" in j.impls for j in jobs if j.hq == j.hkv and j.s <= 16384)
+
+
+def test_seed_suite_times_standard_attention_last_as_the_baseline():
+    jobs = _gpu_plan(suite="seed")
+    assert jobs and all(j.impls[-1] == "xla" == j.base_impl and "reference" not in j.impls for j in jobs)
