@@ -1,10 +1,12 @@
 """`python -m jaxflash.demo`: train a small character-level GPT twice, with jaxflash and with standard attention.
 
 The model (flax.linen) calls `jaxflash.attention(q, k, v, causal=True)` in every block; the second run swaps in
-`jaxflash.reference.attention`, the materialising jnp implementation, and starts from the same initial weights
-with the same batches. The text is an excerpt of Shakespeare's Coriolanus shipped in jaxflash/data/ (public
-domain; see the README there). Prints the two loss curves side by side, tokens/s and peak memory (XLA's buffer
-assignment of the compiled train step), and exits 1 if the curves differ by more than the tolerance.
+standard attention, `jax.nn.dot_product_attention(..., is_causal=True, implementation="xla")` (it materialises
+the scores and computes the softmax in float32), and starts from the same initial weights with the same
+batches. The text is an excerpt of Shakespeare's Coriolanus shipped in jaxflash/data/ (public domain; see the
+README there). Prints the two loss curves side by side (the mean loss of each window of --every steps),
+tokens/s and peak memory (XLA's buffer assignment of the compiled train step), and exits 1 if the window
+means differ by more than the tolerance.
 The defaults run in about a minute on a CPU; `--large` is a GPU-sized model (bf16 attention inputs).
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ def flash(q, k, v):
 
 
 def standard(q, k, v):
-    return jaxflash.reference.attention(q, k, v, causal=True)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
 class Block(nn.Module):
@@ -130,7 +132,8 @@ def train(cfg, attention, params, data, vocab):
 
 
 def run(cfg, every=25, out=print):
-    """Both trainings; returns (flash losses, standard losses, max relative difference, tolerance)."""
+    """Both trainings; returns (flash losses, standard losses, max relative difference of the means over
+    windows of `every` steps, tolerance)."""
     text = load_text()
     chars = sorted(set(text))
     data = np.array([chars.index(c) for c in text], np.int32)
@@ -143,18 +146,22 @@ def run(cfg, every=25, out=print):
     runs = {name: train(cfg, fn, params, data, len(chars)) for name, fn in (("jaxflash", flash),
                                                                            ("standard", standard))}
     (lf, tf, mf), (ls, ts, ms) = runs["jaxflash"], runs["standard"]
-    # The two attentions agree to ~1e-7 (float32) per call, but training amplifies any difference step by step
-    # (the default run ends near 2e-4); bfloat16 rounds p differently in the two implementations.
+    # Curves are compared as means over windows of `every` steps: the two attentions agree to ~1e-7 (float32)
+    # per call, but training amplifies any difference step by step, and in bfloat16 (p rounded differently by
+    # the two) single steps of the two runs drift apart by a few percent within a few hundred steps.
     tol = 1e-2 if cfg.dtype == "float32" else 5e-2
-    diff = np.abs(lf - ls) / np.abs(ls)
-    out(f"\n{'step':>6}{'jaxflash':>11}{'standard':>11}{'rel diff':>10}")
-    for i in sorted(set(range(0, cfg.steps, every)) | {cfg.steps - 1}):
-        out(f"{i:>6}{lf[i]:11.4f}{ls[i]:11.4f}{diff[i]:10.1e}")
+    starts = list(range(0, cfg.steps, every))
+    wf, ws = (np.array([x[i:i + every].mean() for i in starts]) for x in (lf, ls))
+    diff = np.abs(wf - ws) / np.abs(ws)
+    out(f"\n{'steps':>11}{'jaxflash':>11}{'standard':>11}{'rel diff':>10}   (mean loss per window)")
+    for i, a, b, d in zip(starts, wf, ws, diff):
+        out(f"{f'{i}-{min(i + every, cfg.steps) - 1}':>11}{a:11.4f}{b:11.4f}{d:10.1e}")
     out(f"\n{'':24}{'jaxflash':>12}{'standard':>12}")
     out(f"{'tokens/s':24}{tf:12,.0f}{ts:12,.0f}")
     out(f"{'peak MB (train step)':24}{mf:12.1f}{ms:12.1f}")
     verdict = "equal within tolerance" if diff.max() <= tol else "DIFFERENT"
-    out(f"\nloss curves: max relative difference {diff.max():.1e} (tolerance {tol:g}): {verdict}")
+    out(f"\nloss curves: max relative difference of the window means {diff.max():.1e} (tolerance {tol:g}); "
+        f"single steps {np.max(np.abs(lf - ls) / np.abs(ls)):.1e}: {verdict}")
     return lf, ls, float(diff.max()), tol
 
 
@@ -163,8 +170,10 @@ def main(argv=None):
     p.add_argument("--large", action="store_true", help=f"a GPU-sized run: {LARGE}")
     for f in dataclasses.fields(Config):
         p.add_argument(f"--{f.name}", type=type(f.default) if f.name != "dtype" else str, default=None)
-    p.add_argument("--every", type=int, default=25, help="print every this many steps")
+    p.add_argument("--every", type=int, default=25, help="steps per printed (and compared) window")
     args = p.parse_args(argv)
+    if args.every < 1:
+        p.error(f"--every must be >= 1; got {args.every}")
     cfg = Config(**(LARGE if args.large else {}))
     for f in dataclasses.fields(Config):
         if getattr(args, f.name) is not None:
