@@ -95,6 +95,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdImpl, jaxflash::BindF
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl, jaxflash::BindBwd(ffi::Ffi::Bind()));
 
 NB_MODULE(_jaxflash_cpu, m) {
+  m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
+        "The XLA FFI API version of the headers this module was built against.");
   m.def("registrations", [] {
     nb::dict d;
     d["jaxflash_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashFwdCpu));

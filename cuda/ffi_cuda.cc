@@ -72,6 +72,8 @@ extern "C" XLA_FFI_Error* JaxflashBwdCuda(XLA_FFI_CallFrame* call_frame);  // ff
 
 NB_MODULE(_jaxflash_cuda, m) {
   m.doc() = "jaxflash CUDA kernels as XLA FFI handlers (platform \"CUDA\")";
+  m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
+        "The XLA FFI API version of the headers this module was built against.");
   m.def("registrations", []() {
     nb::dict d;
     d["jaxflash_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashFwdCuda));

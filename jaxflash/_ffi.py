@@ -2,6 +2,9 @@
 `attention.py` owns the contract; the C++ handlers re-check as a backstop."""
 from __future__ import annotations
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,35 @@ try:  # Built only where nvcc was found; with static cudart it imports on machin
     from . import _jaxflash_cuda
 except ImportError:
     _jaxflash_cuda = None
+
+
+def running_ffi_api():
+    """(major, minor) of the XLA FFI API the running jaxlib speaks, read from the headers it ships; None if
+    they cannot be read."""
+    try:
+        with open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")) as f:
+            text = f.read()
+        return tuple(int(re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text).group(1))
+                     for part in ("MAJOR", "MINOR"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_ffi_api(module: str, built, running) -> None:
+    """A handler built against a newer FFI API than the running jax's fails at registration, and then every
+    JAX backend fails to initialise (older ones load); refuse to load such a module, with the remedy."""
+    if running is None or tuple(built) <= tuple(running):
+        return
+    raise ImportError(
+        f"jaxflash: {module} was built against XLA FFI API {built[0]}.{built[1]}, newer than the "
+        f"{running[0]}.{running[1]} of the running jax {jax.__version__} (an isolated build can pick a newer jax "
+        f"than the one installed); rebuild it against this jax (build dependencies installed) with "
+        f"`pip install --no-build-isolation --force-reinstall --no-deps .`, or upgrade jax")
+
+
+for _module in (_jaxflash_cpu, _jaxflash_cuda):
+    if _module is not None and hasattr(_module, "ffi_api_version"):
+        check_ffi_api(_module.__name__, tuple(_module.ffi_api_version()), running_ffi_api())
 
 for _name, _capsule in _jaxflash_cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")

@@ -139,3 +139,19 @@ def raw_fwd(q, k, v, *, seg=None, lengths=None, state=None, **attrs):
 def test_handler_rejects_bad_input(q, k, v, kwargs, match):
     with pytest.raises(Exception, match="jaxflash_fwd: .*" + match):
         raw_fwd(q, k, v, **kwargs)
+
+
+def test_module_built_for_a_newer_jax_is_refused_with_the_remedy():
+    _ffi.check_ffi_api("m", (0, 3), (0, 5))  # built against an older FFI API: loads
+    _ffi.check_ffi_api("m", (0, 5), None)  # the running API unknown: not refused
+    with pytest.raises(ImportError, match=r"m was built against XLA FFI API 0\.5, newer than the 0\.4 .*"
+                                          r"--no-build-isolation"):
+        _ffi.check_ffi_api("m", (0, 5), (0, 4))
+
+
+def test_installed_modules_speak_the_running_jax_ffi_api():
+    running = _ffi.running_ffi_api()
+    assert running is not None and running >= (0, 1)  # jaxlib ships the headers it was built with
+    for module in (_ffi._jaxflash_cpu, _ffi._jaxflash_cuda):
+        if module is not None:
+            assert tuple(module.ffi_api_version()) <= running
