@@ -2,8 +2,9 @@
 from . import reference
 from .attention import attention
 from .dropout import dropout_mask
+from .mask import Mask
 from .nn import dot_product_attention
 
 # jaxflash.flax (Flax modules) is a submodule imported on demand, so that importing jaxflash never imports flax.
-__all__ = ["attention", "dot_product_attention", "dropout_mask", "reference"]
+__all__ = ["Mask", "attention", "dot_product_attention", "dropout_mask", "reference"]
 __version__ = "0.1.0"

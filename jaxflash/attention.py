@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi, _vjp, dropout, reference
+from .mask import Mask
 
 MAX_HEAD_DIM = 256
 BACKENDS = (None, "cpu", "cuda", "reference")
@@ -63,36 +64,35 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
     Dtypes: float32, bfloat16 and float16 on the CPU; bfloat16 and float16 on a GPU. Accumulation is
     float32. Gradients come from the FlashAttention-2 backward kernel, not from autodiff of the reference.
     """
-    return _attention(query, key, value, causal=causal, window=window, q_segment_ids=q_segment_ids,
-                      kv_segment_ids=kv_segment_ids, q_lengths=q_lengths, kv_lengths=kv_lengths, softcap=softcap,
-                      dropout_rate=dropout_rate, dropout_key=dropout_key, scale=scale, return_lse=return_lse,
-                      deterministic=deterministic, backend=backend, bottom_right=True)
+    mask = Mask(causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
+    return attend(query, key, value, mask, softcap=softcap, dropout_rate=dropout_rate, dropout_key=dropout_key,
+                  scale=scale, return_lse=return_lse, deterministic=deterministic, backend=backend)
 
 
-def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
-               softcap, dropout_rate, dropout_key, scale, return_lse, deterministic, backend, bottom_right):
-    """`attention` with the causal diagonal's alignment as a parameter (bottom_right=False: jax.nn's
-    top-left alignment, for the drop-in)."""
-    _check_arrays(query, key, value)
-    causal = _check_bool("causal", causal)
-    return_lse = _check_bool("return_lse", return_lse)
-    deterministic = _check_bool("deterministic", deterministic)
-    scale = _check_scale(scale, query.shape[-1])
-    softcap = _check_softcap(softcap)
-    left, right = _check_window(window, causal)
+def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropout_key=None, scale=None,
+           return_lse=False, deterministic=False, backend=None, name="jaxflash.attention"):
+    """`attention` with the mask as one `Mask`, of either alignment: the entry of `attention`, the jax.nn
+    drop-in and the Flax adapters. `name` is the public function called, the prefix of every error."""
+    _check_arrays(name, query, key, value)
+    causal = _check_bool(name, "causal", mask.causal)
+    bottom_right = _check_bool(name, "bottom_right", mask.bottom_right)
+    return_lse = _check_bool(name, "return_lse", return_lse)
+    deterministic = _check_bool(name, "deterministic", deterministic)
+    scale = _check_scale(name, scale, query.shape[-1])
+    softcap = _check_softcap(name, softcap)
+    _check_window(name, mask.window)
+    left, right = mask.sides()
     lead, sq, sk = query.shape[:-3], query.shape[-3], key.shape[-3]
     bottom_right = bottom_right or sq == sk  # the two alignments coincide
-    seg = _check_segment_ids(q_segment_ids, kv_segment_ids, lead, sq, sk)
-    lengths = _check_lengths(q_lengths, kv_lengths, lead, sq, sk)
-    dropout_rate, key_words = _check_dropout(dropout_rate, dropout_key)
-    backend = _resolve_backend(backend, query)
+    seg = _check_segment_ids(name, mask.q_segment_ids, mask.kv_segment_ids, lead, sq, sk)
+    lengths = _check_lengths(name, mask.q_lengths, mask.kv_lengths, lead, sq, sk)
+    dropout_rate, key_words = _check_dropout(name, dropout_rate, dropout_key)
+    backend = _resolve_backend(name, backend, query)
 
     if backend == "reference":
-        out, lse = reference.attention_with_lse(
-            query, key, value, scale=scale, softcap=softcap or None, window=(left, right), bottom_right=bottom_right,
-            q_segment_ids=seg[0] if seg else None, kv_segment_ids=seg[1] if seg else None,
-            q_lengths=lengths[0] if lengths else None, kv_lengths=lengths[1] if lengths else None,
-            dropout_rate=dropout_rate, dropout_key=key_words)
+        checked = Mask(causal, (left, right), *(seg or (None, None)), *(lengths or (None, None)), bottom_right)
+        out, lse = reference.attend(query, key, value, checked, scale=scale, softcap=softcap or None,
+                                    dropout_rate=dropout_rate, dropout_key=key_words)
     elif 0 in query.shape or 0 in key.shape:
         # Nothing to compute (or nothing to attend to): zeros and -inf, without launching a kernel.
         out = jnp.zeros(query.shape, query.dtype)
@@ -110,112 +110,105 @@ def _attention(query, key, value, *, causal, window, q_segment_ids, kv_segment_i
 
 # --- validation -------------------------------------------------------------------------------------------
 
-def _fail(cls, msg):
-    raise cls(f"jaxflash.attention: {msg}")
+def _fail(fn, cls, msg):
+    raise cls(f"{fn}: {msg}")
 
 
-def _check_arrays(query, key, value):
+def _check_arrays(fn, query, key, value):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            _fail(TypeError, f"{name} must be an array; got {type(x).__name__}")
+            _fail(fn, TypeError, f"{name} must be an array; got {type(x).__name__}")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim < 3:
-            _fail(ValueError, f"{name} must have rank >= 3 ([..., seq, heads, head_dim]); got shape {x.shape}")
+            _fail(fn, ValueError, f"{name} must have rank >= 3 ([..., seq, heads, head_dim]); got shape {x.shape}")
     if not (query.ndim == key.ndim == value.ndim):
-        _fail(ValueError, f"query, key and value must have the same rank; got query {query.shape}, "
-                          f"key {key.shape}, value {value.shape}")
+        _fail(fn, ValueError, f"query, key and value must have the same rank; got query {query.shape}, "
+                              f"key {key.shape}, value {value.shape}")
     if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
-        _fail(ValueError, f"query, key and value must share leading (batch) dims; got query {query.shape}, "
-                          f"key {key.shape}, value {value.shape}")
+        _fail(fn, ValueError, f"query, key and value must share leading (batch) dims; got query {query.shape}, "
+                              f"key {key.shape}, value {value.shape}")
     if key.shape != value.shape:
-        _fail(ValueError, f"key and value must have the same shape; got key {key.shape}, value {value.shape}")
+        _fail(fn, ValueError, f"key and value must have the same shape; got key {key.shape}, value {value.shape}")
     d = query.shape[-1]
     if key.shape[-1] != d:
-        _fail(ValueError, f"query and key must have the same head dim; got query {d}, key {key.shape[-1]}")
+        _fail(fn, ValueError, f"query and key must have the same head dim; got query {d}, key {key.shape[-1]}")
     if not 1 <= d <= MAX_HEAD_DIM:
-        _fail(ValueError, f"head dim must be in [1, {MAX_HEAD_DIM}]; got {d}")
+        _fail(fn, ValueError, f"head dim must be in [1, {MAX_HEAD_DIM}]; got {d}")
     hq, hk = query.shape[-2], key.shape[-2]
     if hk == 0 or hq % hk:
-        _fail(ValueError, f"query heads must be a multiple of key/value heads; got {hq} query heads and {hk} "
-                          f"key/value heads")
+        _fail(fn, ValueError, f"query heads must be a multiple of key/value heads; got {hq} query heads and {hk} "
+                              f"key/value heads")
     dtypes = (jnp.dtype(query.dtype), jnp.dtype(key.dtype), jnp.dtype(value.dtype))
     if not (dtypes[0] == dtypes[1] == dtypes[2]):
-        _fail(TypeError, f"query, key and value must share a dtype; got query={dtypes[0]}, key={dtypes[1]}, "
-                         f"value={dtypes[2]}")
+        _fail(fn, TypeError, f"query, key and value must share a dtype; got query={dtypes[0]}, key={dtypes[1]}, "
+                             f"value={dtypes[2]}")
     if dtypes[0] not in [jnp.dtype(t) for t in _FLOAT_DTYPES]:
-        _fail(TypeError, f"dtype must be float32, bfloat16 or float16; got {dtypes[0]}")
+        _fail(fn, TypeError, f"dtype must be float32, bfloat16 or float16; got {dtypes[0]}")
 
 
-def _check_bool(name, value):
+def _check_bool(fn, name, value):
     if not isinstance(value, (bool, np.bool_)):
-        _fail(TypeError, f"{name} must be a Python bool; got {value!r}")
+        _fail(fn, TypeError, f"{name} must be a Python bool; got {value!r}")
     return bool(value)
 
 
-def _static_number(name, x) -> float:
+def _static_number(fn, name, x) -> float:
     """x as a float; it must be a static Python number, since it is compiled into the kernel call."""
     if isinstance(x, jax.core.Tracer):
-        _fail(TypeError, f"{name} must be a static Python number, not a traced value")
+        _fail(fn, TypeError, f"{name} must be a static Python number, not a traced value")
     try:
         return float(x)
     except (TypeError, ValueError):
-        _fail(TypeError, f"{name} must be a number; got {x!r}")
+        _fail(fn, TypeError, f"{name} must be a number; got {x!r}")
 
 
-def _check_scale(scale, head_dim):
+def _check_scale(fn, scale, head_dim):
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    value = _static_number("scale", scale)
+    value = _static_number(fn, "scale", scale)
     if not math.isfinite(value) or value <= 0:
-        _fail(ValueError, f"scale must be finite and positive; got {scale!r}")
+        _fail(fn, ValueError, f"scale must be finite and positive; got {scale!r}")
     return value
 
 
-def _check_softcap(softcap) -> float:
+def _check_softcap(fn, softcap) -> float:
     """0.0 when off."""
     if softcap is None:
         return 0.0
-    value = _static_number("softcap", softcap)
+    value = _static_number(fn, "softcap", softcap)
     if not math.isfinite(value) or value <= 0:
-        _fail(ValueError, f"softcap must be finite and positive (None: off); got {softcap!r}")
+        _fail(fn, ValueError, f"softcap must be finite and positive (None: off); got {softcap!r}")
     return value
 
 
-def _check_window(window, causal):
-    """(left, right) with -1 for an unbounded side; causal caps right at 0."""
+def _check_window(fn, window):
+    """The form of a window; what it means is `Mask.sides`."""
     if window is None:
-        left, right = -1, -1
-    else:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            _fail(ValueError, f"window must be a pair (left, right); got {window!r}")
-        sides = []
-        for name, w in zip(("left", "right"), window):
-            if w is None:
-                w = -1
-            if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
-                _fail(TypeError, f"window {name} side must be an int or None; got {w!r}")
-            if w < -1:
-                _fail(ValueError, f"window {name} side must be >= -1 (-1 or None: unbounded); got {int(w)}")
-            sides.append(int(w))
-        left, right = sides
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
+        return
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        _fail(fn, ValueError, f"window must be a pair (left, right); got {window!r}")
+    for name, w in zip(("left", "right"), window):
+        if w is None:
+            continue
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
+            _fail(fn, TypeError, f"window {name} side must be an int or None; got {w!r}")
+        if w < -1:
+            _fail(fn, ValueError, f"window {name} side must be >= -1 (-1 or None: unbounded); got {int(w)}")
 
 
-def _check_dropout(rate, key):
+def _check_dropout(fn, rate, key):
     """(rate as a float, the key's two uint32 words or None)."""
-    value = _static_number("dropout_rate", rate)
+    value = _static_number(fn, "dropout_rate", rate)
     if not 0.0 <= value < 1.0:
-        _fail(ValueError, f"dropout_rate must be in [0, 1); got {rate!r}")
+        _fail(fn, ValueError, f"dropout_rate must be in [0, 1); got {rate!r}")
     if value == 0.0:
         return 0.0, None
     if key is None:
-        _fail(ValueError, f"dropout_rate={value} needs a dropout_key (a JAX PRNG key); got None")
+        _fail(fn, ValueError, f"dropout_rate={value} needs a dropout_key (a JAX PRNG key); got None")
     try:
         words = dropout.key_words(key)
     except (TypeError, ValueError) as e:
-        _fail(ValueError, f"dropout_key must be a JAX PRNG key with two 32-bit words; {e}")
+        _fail(fn, ValueError, f"dropout_key must be a JAX PRNG key with two 32-bit words; {e}")
     return value, words
 
 
@@ -229,26 +222,27 @@ def _dropout_state(words, lead):
     return jnp.concatenate([jnp.broadcast_to(words, lead + (2,)), index], axis=-1)
 
 
-def _int_array(name, x, shape):
+def _int_array(fn, name, x, shape):
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         x = np.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        _fail(TypeError, f"{name} must have an integer dtype; got {x.dtype}")
+        _fail(fn, TypeError, f"{name} must have an integer dtype; got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
-        _fail(ValueError, f"{name} must have shape {tuple(shape)}; got {tuple(x.shape)}")
+        _fail(fn, ValueError, f"{name} must have shape {tuple(shape)}; got {tuple(x.shape)}")
     return jnp.asarray(x, jnp.int32)
 
 
-def _check_segment_ids(q_ids, kv_ids, lead, sq, sk):
+def _check_segment_ids(fn, q_ids, kv_ids, lead, sq, sk):
     if (q_ids is None) != (kv_ids is None):
         given = "q_segment_ids" if kv_ids is None else "kv_segment_ids"
-        _fail(ValueError, f"q_segment_ids and kv_segment_ids must be given together; got only {given}")
+        _fail(fn, ValueError, f"q_segment_ids and kv_segment_ids must be given together; got only {given}")
     if q_ids is None:
         return None
-    return _int_array("q_segment_ids", q_ids, lead + (sq,)), _int_array("kv_segment_ids", kv_ids, lead + (sk,))
+    return (_int_array(fn, "q_segment_ids", q_ids, lead + (sq,)),
+            _int_array(fn, "kv_segment_ids", kv_ids, lead + (sk,)))
 
 
-def _check_lengths(q_lengths, kv_lengths, lead, sq, sk):
+def _check_lengths(fn, q_lengths, kv_lengths, lead, sq, sk):
     """(q_lengths, kv_lengths) as int32 [...], a missing one filled with the full length; None if neither."""
     if q_lengths is None and kv_lengths is None:
         return None
@@ -258,8 +252,8 @@ def _check_lengths(q_lengths, kv_lengths, lead, sq, sk):
             out.append(jnp.full(lead, full, jnp.int32))
             continue
         if not isinstance(x, jax.core.Tracer) and np.size(x) and np.min(np.asarray(x)) < 0:  # checkable values
-            _fail(ValueError, f"{name} must be >= 0; got {int(np.min(np.asarray(x)))}")
-        out.append(_int_array(name, x, lead))
+            _fail(fn, ValueError, f"{name} must be >= 0; got {int(np.min(np.asarray(x)))}")
+        out.append(_int_array(fn, name, x, lead))
     return tuple(out)
 
 
@@ -273,9 +267,9 @@ def _platform(x) -> str:
     return jax.default_backend()
 
 
-def _resolve_backend(backend, query) -> str:
+def _resolve_backend(fn, backend, query) -> str:
     if backend not in BACKENDS:
-        _fail(ValueError, f"backend must be one of None, 'cpu', 'cuda', 'reference'; got {backend!r}")
+        _fail(fn, ValueError, f"backend must be one of None, 'cpu', 'cuda', 'reference'; got {backend!r}")
     if backend == "reference":
         return backend
     platform = _platform(query)
@@ -283,19 +277,19 @@ def _resolve_backend(backend, query) -> str:
     if backend is None:
         backend = "cuda" if on_gpu else "cpu"
     if backend == "cpu" and on_gpu:
-        _fail(ValueError, "backend='cpu' needs the inputs on the CPU (jax.device_put(x, jax.devices('cpu')[0])); "
-                          f"they are on {platform}")
+        _fail(fn, ValueError, "backend='cpu' needs the inputs on the CPU (jax.device_put(x, jax.devices('cpu')[0])); "
+                              f"they are on {platform}")
     if backend == "cuda":
         if not _ffi.cuda_built():
-            _fail(RuntimeError, "backend 'cuda' is not available: jaxflash was built without its CUDA module "
-                                "(reinstall on a machine with nvcc; see the README's build notes)")
+            _fail(fn, RuntimeError, "backend 'cuda' is not available: jaxflash was built without its CUDA module "
+                                    "(reinstall on a machine with nvcc; see the README's build notes)")
         if not on_gpu:
-            _fail(ValueError, f"backend='cuda' needs the inputs on a GPU; they are on {platform}")
+            _fail(fn, ValueError, f"backend='cuda' needs the inputs on a GPU; they are on {platform}")
         dtype, d = jnp.dtype(query.dtype), query.shape[-1]
         supported = _ffi.cuda_supported()
         if (dtype.name, d) not in supported:
             have = sorted({hd for _, hd in supported})
-            _fail(NotImplementedError, f"the CUDA kernel supports bfloat16 and float16 with head dims {have}; got "
-                                       f"{dtype} with head dim {d} (cast, pad the head dim, or use "
-                                       f"backend='reference')")
+            _fail(fn, NotImplementedError, f"the CUDA kernel supports bfloat16 and float16 with head dims {have}; got "
+                                           f"{dtype} with head dim {d} (cast, pad the head dim, or use "
+                                           f"backend='reference')")
     return backend

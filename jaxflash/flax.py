@@ -4,7 +4,8 @@
   the parameters of Flax's ``MultiHeadDotProductAttention`` / ``nnx.MultiHeadAttention`` (same names and shapes,
   so checkpoints swap both ways), the jaxflash kernels in the middle, and masks given as structure (causal,
   window, segment ids, lengths) rather than as an ``[..., H, Sq, Sk]`` array.
-- `attention_fn`: a drop-in ``attention_fn=`` for Flax's own modules; `Mask` describes the masks it honours.
+- `attention_fn`: a drop-in ``attention_fn=`` for Flax's own modules; `Mask` (`jaxflash.Mask` aligned top-left)
+  describes the masks it honours.
 
 Conventions here are Flax's and jax.nn's: the causal diagonal and windows are aligned top-left (query ``i``'s
 diagonal is key ``i``), which is `jaxflash.attention`'s bottom-right alignment whenever ``Sq == Sk``.
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import _attention
+from . import mask as core
+from .attention import attend
 
 __all__ = ["FlashMultiHeadAttention", "FlashMultiHeadAttentionNNX", "Mask", "attention_fn"]
 
@@ -28,9 +30,11 @@ _MASK_HINT = ("express it as causal=/window= and the q_segment_ids/kv_segment_id
               "(FlashMultiHeadAttention) or as mask=jaxflash.flax.Mask(...) (attention_fn)")
 
 
+@core.register
 @dataclasses.dataclass(frozen=True)
-class Mask:
-    """The masks `attention_fn` can honour, passed where Flax passes a mask array (``mask=`` of the module call).
+class Mask(core.Mask):
+    """`jaxflash.Mask` aligned top-left by default, as Flax aligns masks: the masks `attention_fn` honours,
+    passed where Flax passes a mask array (``mask=`` of the module call).
 
     Attributes:
       causal: query ``i`` sees key ``j`` iff ``j <= i`` (top-left, as ``nn.make_causal_mask``).
@@ -40,32 +44,12 @@ class Mask:
         a key only when their ids are equal (packed documents).
       q_lengths, kv_lengths: int ``[batch...]``: keys at or past ``kv_lengths`` are invisible; query rows at or
         past ``q_lengths`` return 0.
+      bottom_right: ``False``; ``True`` aligns the diagonal as `jaxflash.attention` does.
 
-    A pytree: the arrays are leaves, ``causal`` and ``window`` static, so it crosses ``jit`` and Flax's lifted
-    transforms.
+    A pytree: the arrays are leaves, ``causal``, ``window`` and ``bottom_right`` static, so it crosses ``jit`` and
+    Flax's lifted transforms.
     """
-    causal: bool = False
-    window: tuple[int | None, int | None] | None = None
-    q_segment_ids: Any = None
-    kv_segment_ids: Any = None
-    q_lengths: Any = None
-    kv_lengths: Any = None
-
-    def __post_init__(self):
-        if isinstance(self.window, list):  # static pytree data must be hashable
-            object.__setattr__(self, "window", tuple(self.window))
-
-
-jax.tree_util.register_dataclass(Mask, data_fields=["q_segment_ids", "kv_segment_ids", "q_lengths", "kv_lengths"],
-                                 meta_fields=["causal", "window"])
-
-
-def _flash(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropout_key=None, backend=None):
-    """jaxflash attention with Flax's (top-left) alignment."""
-    return _attention(query, key, value, causal=mask.causal, window=mask.window, q_segment_ids=mask.q_segment_ids,
-                      kv_segment_ids=mask.kv_segment_ids, q_lengths=mask.q_lengths, kv_lengths=mask.kv_lengths,
-                      softcap=softcap, dropout_rate=dropout_rate, dropout_key=dropout_key, scale=None,
-                      return_lse=False, deterministic=False, backend=backend, bottom_right=False)
+    bottom_right: bool = False
 
 
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True, dropout_rng=None,
@@ -78,7 +62,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     ``query`` ``[batch..., Sq, H, D]``, ``key``/``value`` ``[batch..., Sk, Hkv, D]`` (GQA when ``Hkv < H``);
     returns ``[batch..., Sq, H, D]``. What it cannot honour raises instead of being dropped:
 
-    - ``mask``: ``None`` or a `Mask` (causal, window, segment ids, lengths). A mask *array* raises
+    - ``mask``: ``None`` or a `Mask` (causal, window, segment ids, lengths; a `jaxflash.Mask` keeps its
+      bottom-right alignment, this module's `Mask` aligns top-left as Flax does). A mask *array* raises
       ``NotImplementedError``: the kernels never build the ``[..., H, Sq, Sk]`` matrix. Flax's modules pass
       ``mask=`` through unchanged, so ``module.apply(params, x, mask=jaxflash.flax.Mask(causal=True))`` replaces
       ``mask=nn.make_causal_mask(...)``. ``is_causal=True`` (nnx) adds the causal mask.
@@ -101,7 +86,7 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     if bias is not None:
         raise NotImplementedError(f"{name}: an attention bias is not supported; got bias of shape "
                                   f"{jnp.shape(bias)}")
-    if mask is not None and not isinstance(mask, Mask):
+    if mask is not None and not isinstance(mask, core.Mask):
         raise NotImplementedError(f"{name}: a mask array cannot be honoured (the kernels never build the "
                                   f"[..., H, Sq, Sk] matrix); got mask of shape {jnp.shape(mask)}. Pass "
                                   f"mask=jaxflash.flax.Mask(causal=..., window=..., q_segment_ids=..., "
@@ -125,8 +110,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
         raise ValueError(f"{name}: dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng; got None")
     dtype = dtype or jnp.result_type(query, key, value)
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    return _flash(query, key, value, mask, dropout_rate=dropout_rate if dropping else 0.0,
-                  dropout_key=dropout_rng if dropping else None)
+    return attend(query, key, value, mask, dropout_rate=dropout_rate if dropping else 0.0,
+                  dropout_key=dropout_rng if dropping else None, name=name)
 
 
 def _no_mask_array(name, mask):
@@ -221,8 +206,8 @@ class FlashMultiHeadAttention(nn.Module):
                 rate = self.dropout_rate
                 dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
         mask = Mask(self.causal, self.window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
-        x = _flash(query, key, value, mask, softcap=self.softcap, dropout_rate=rate,
-                   dropout_key=dropout_rng if rate else None, backend=self.backend)
+        x = attend(query, key, value, mask, softcap=self.softcap, dropout_rate=rate,
+                   dropout_key=dropout_rng if rate else None, backend=self.backend, name=name)
         return nn.DenseGeneral(features=self.out_features or inputs_q.shape[-1], axis=(-2, -1),
                                kernel_init=self.out_kernel_init or self.kernel_init,
                                bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias,
@@ -310,6 +295,6 @@ class FlashMultiHeadAttentionNNX(nnx.Module):
                     raise ValueError(f"{name}: dropout needs rngs= in the call when built with keep_rngs=False")
                 rate, dropout_key = self.dropout_rate, stream()
         mask = Mask(self.causal, self.window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
-        x = _flash(query, key, value, mask, softcap=self.softcap, dropout_rate=rate, dropout_key=dropout_key,
-                   backend=self.backend)
+        x = attend(query, key, value, mask, softcap=self.softcap, dropout_rate=rate, dropout_key=dropout_key,
+                   backend=self.backend, name=name)
         return self.out(x)

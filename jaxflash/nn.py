@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .attention import _attention
+from .attention import attend
+from .mask import Mask
 
 # jaxflash backends by `implementation`; jax.nn's own names ("xla", "cudnn") are refused, not remapped.
 IMPLEMENTATIONS = (None, "cpu", "cuda", "reference")
@@ -83,11 +84,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     q_lengths = _lengths(name, "query_seq_lengths", query_seq_lengths, query.shape[0], batched)
     kv_lengths = _lengths(name, "key_value_seq_lengths", key_value_seq_lengths, query.shape[0], batched)
 
-    result = _attention(query, key, value, causal=bool(is_causal), window=_window(name, local_window_size),
-                        q_segment_ids=None, kv_segment_ids=None, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                        softcap=None, dropout_rate=0.0, dropout_key=None, scale=scale,
-                        return_lse=bool(return_residual), deterministic=False, backend=implementation,
-                        bottom_right=False)
+    mask = Mask(bool(is_causal), _window(name, local_window_size), q_lengths=q_lengths, kv_lengths=kv_lengths,
+                bottom_right=False)
+    result = attend(query, key, value, mask, scale=scale, return_lse=bool(return_residual), backend=implementation,
+                    name=name)
     out, lse = result if return_residual else (result, None)
     if not batched:
         out = out[0]

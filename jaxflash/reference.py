@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .dropout import dropout_mask
+from .mask import Mask
 
 
 def visible(sq: int, sk: int, *, causal: bool = False, window=None, bottom_right: bool = True,
@@ -14,30 +15,29 @@ def visible(sq: int, sk: int, *, causal: bool = False, window=None, bottom_right
     """Bool mask [..., 1, Sq, Sk] (leading dims only when an array argument has them): query i sees key j
     iff c - left <= j <= c + right with c = i + (Sk - Sq if bottom_right else 0) (a side of -1 or None is
     unbounded; causal sets right = 0), the segment ids are equal, j < kv_lengths and i < q_lengths."""
-    left, right = _window(window, causal)
+    return mask_matrix(sq, sk, Mask(causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
+                                    bottom_right))
+
+
+def mask_matrix(sq: int, sk: int, mask: Mask):
+    """`visible` of a `Mask`."""
+    left, right = mask.sides()
     i = jnp.arange(sq)[:, None]
     j = jnp.arange(sk)[None, :]
-    c = i + (sk - sq if bottom_right else 0)
-    mask = jnp.ones((sq, sk), bool)
+    c = i + mask.diagonal(sq, sk)
+    out = jnp.ones((sq, sk), bool)
     if right >= 0:
-        mask &= j <= c + right
+        out &= j <= c + right
     if left >= 0:
-        mask &= j >= c - left
-    mask = mask[None]  # the heads axis
-    if q_segment_ids is not None:
-        mask = mask & (q_segment_ids[..., None, :, None] == kv_segment_ids[..., None, None, :])
-    if kv_lengths is not None:
-        mask = mask & (j < jnp.asarray(kv_lengths)[..., None, None, None])
-    if q_lengths is not None:
-        mask = mask & (i < jnp.asarray(q_lengths)[..., None, None, None])
-    return mask
-
-
-def _window(window, causal):
-    left, right = (-1, -1) if window is None else (-1 if w is None else int(w) for w in window)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
+        out &= j >= c - left
+    out = out[None]  # the heads axis
+    if mask.q_segment_ids is not None:
+        out = out & (mask.q_segment_ids[..., None, :, None] == mask.kv_segment_ids[..., None, None, :])
+    if mask.kv_lengths is not None:
+        out = out & (j < jnp.asarray(mask.kv_lengths)[..., None, None, None])
+    if mask.q_lengths is not None:
+        out = out & (i < jnp.asarray(mask.q_lengths)[..., None, None, None])
+    return out
 
 
 def attention_with_lse(query, key, value, *, causal: bool = False, scale: float | None = None, window=None,
@@ -46,6 +46,14 @@ def attention_with_lse(query, key, value, *, causal: bool = False, scale: float 
                        dropout_key=None):
     """Returns (out, lse) computed in the inputs' dtype; rows that see no key give 0 and -inf. Dropout uses
     `jaxflash.dropout.dropout_mask`, the kernels' rule; the LSE is that of the undropped softmax."""
+    mask = Mask(causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, bottom_right)
+    return attend(query, key, value, mask, scale=scale, softcap=softcap, dropout_rate=dropout_rate,
+                  dropout_key=dropout_key)
+
+
+def attend(query, key, value, mask: Mask, *, scale: float | None = None, softcap: float | None = None,
+           dropout_rate: float = 0.0, dropout_key=None):
+    """`attention_with_lse` with the mask as one `Mask`."""
     d = query.shape[-1]
     scale = d ** -0.5 if scale is None else scale
     group = query.shape[-2] // key.shape[-2]
@@ -54,10 +62,7 @@ def attention_with_lse(query, key, value, *, causal: bool = False, scale: float 
     s = jnp.einsum("...qhd,...khd->...hqk", query, k) * jnp.asarray(scale, query.dtype)
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
-    mask = visible(query.shape[-3], key.shape[-3], causal=causal, window=window, bottom_right=bottom_right,
-                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_lengths=q_lengths,
-                   kv_lengths=kv_lengths)
-    s = jnp.where(mask, s, -jnp.inf)
+    s = jnp.where(mask_matrix(query.shape[-3], key.shape[-3], mask), s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0).astype(s.dtype)
     e = jnp.exp(s - m)
@@ -77,8 +82,7 @@ def attention(query, key, value, *, causal: bool = False, scale: float | None = 
               softcap: float | None = None, q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
               kv_lengths=None, dropout_rate: float = 0.0, dropout_key=None, return_lse: bool = False):
     """Reference attention; see `jaxflash.attention` for shapes and semantics."""
-    out, lse = attention_with_lse(query, key, value, causal=causal, scale=scale, window=window, softcap=softcap,
-                                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                  q_lengths=q_lengths, kv_lengths=kv_lengths, dropout_rate=dropout_rate,
-                                  dropout_key=dropout_key)
+    mask = Mask(causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
+    out, lse = attend(query, key, value, mask, scale=scale, softcap=softcap, dropout_rate=dropout_rate,
+                      dropout_key=dropout_key)
     return (out, lse) if return_lse else out

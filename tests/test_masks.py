@@ -11,7 +11,7 @@ import jaxflash
 import oracle
 from conftest import DTYPES, check_close, make_inputs
 from jaxflash import reference
-from jaxflash.attention import _attention
+from jaxflash.attention import attend
 
 LEAD = (2,)
 
@@ -63,13 +63,12 @@ SHAPES = [(113, 255, 4, 2, 40), (255, 113, 4, 4, 64), (64, 64, 8, 1, 16), (1, 17
 
 def run(q, k, v, do, kind, kw, backend, deterministic=False, rate=0.0, key=None):
     """(o, lse, dq, dk, dv) of `kind` with its mask arrays `kw` on `backend` (dropout at `rate` from `key`)."""
-    opts = dict(causal=kind.get("causal", False), window=kind.get("window"), softcap=kind.get("softcap"),
-                q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"),
-                q_lengths=kw.get("q_lengths"), kv_lengths=kw.get("kv_lengths"))
+    mask = jaxflash.Mask(kind.get("causal", False), kind.get("window"), bottom_right=not kind.get("top_left", False),
+                         **kw)
 
     def f(q, k, v):
-        return _attention(q, k, v, **opts, dropout_rate=rate, dropout_key=key, scale=None, return_lse=True,
-                          deterministic=deterministic, backend=backend, bottom_right=not kind.get("top_left", False))
+        return attend(q, k, v, mask, softcap=kind.get("softcap"), dropout_rate=rate, dropout_key=key, return_lse=True,
+                      deterministic=deterministic, backend=backend)
 
     (o, lse), vjp = jax.vjp(f, q, k, v)
     return (o, lse, *vjp((do, jnp.zeros_like(lse))))
