@@ -5,6 +5,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from . import _ffi
 
@@ -20,6 +21,7 @@ class Config(NamedTuple):
     lengths: bool         # the length operands are meaningful
     dropout_rate: float   # 0: off
     deterministic: bool   # backward without atomics: bitwise-reproducible gradients
+    backend: str          # "cpu" or "cuda": the kernels XLA will run
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -28,6 +30,10 @@ def flash(q, k, v, operands, cfg: Config):
 
 
 def _fwd(q, k, v, operands, cfg):
+    # This rule runs only under differentiation: the place to refuse, at trace time, a configuration whose
+    # backward kernel was not compiled.
+    if cfg.backend == "cuda":
+        _check_cuda_backward(q)
     o, lse = _ffi.fwd(q, k, v, operands, cfg)
     return (o, lse), (q, k, v, o, lse, operands)
 
@@ -40,3 +46,15 @@ def _bwd(cfg, res, cotangents):
 
 
 flash.defvjp(_fwd, _bwd)
+
+
+def _check_cuda_backward(q):
+    dtype, d = jnp.dtype(q.dtype).name, q.shape[-1]
+    compiled = _ffi.cuda_supported("bwd")
+    if (dtype, d) in compiled:
+        return
+    have = "; ".join(f"{t} with head dims {sorted(hd for u, hd in compiled if u == t)}"
+                     for t in sorted({t for t, _ in compiled})) or "nothing"
+    raise NotImplementedError(f"jaxflash.attention: the CUDA backward pass is not compiled for {dtype} with head "
+                              f"dim {d}, only the forward; the backward is compiled for {have} (cast, pad the head "
+                              f"dim, or differentiate with backend='reference')")

@@ -103,7 +103,7 @@ def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dro
         len_ops = lengths or (jnp.full(lead, sq, jnp.int32), jnp.full(lead, sk, jnp.int32))
         cfg = _vjp.Config(scale=scale, softcap=softcap, window_left=left, window_right=right,
                           bottom_right=bottom_right, segment_ids=seg is not None, lengths=lengths is not None,
-                          dropout_rate=dropout_rate, deterministic=deterministic)
+                          dropout_rate=dropout_rate, deterministic=deterministic, backend=backend)
         out, lse = _vjp.flash(query, key, value, (*seg_ops, *len_ops, _dropout_state(key_words, lead)), cfg)
     return (out, lse) if return_lse else out
 
@@ -286,7 +286,7 @@ def _resolve_backend(fn, backend, query) -> str:
         if not on_gpu:
             _fail(fn, ValueError, f"backend='cuda' needs the inputs on a GPU; they are on {platform}")
         dtype, d = jnp.dtype(query.dtype), query.shape[-1]
-        supported = _ffi.cuda_supported()
+        supported = _ffi.cuda_supported("fwd")
         if (dtype.name, d) not in supported:
             have = sorted({hd for _, hd in supported})
             _fail(fn, NotImplementedError, f"the CUDA kernel supports bfloat16 and float16 with head dims {have}; got "

@@ -1,5 +1,7 @@
 """One case per validation branch of jaxflash.attention: the exception type and a message naming the
 argument and the value received. Also the FFI handlers' own checks (the backstop)."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,8 @@ import pytest
 
 import jaxflash
 from jaxflash import _ffi
+
+attention_module = importlib.import_module("jaxflash.attention")  # the attribute jaxflash.attention is the function
 
 
 def arr(*shape, dtype=jnp.float32):
@@ -99,6 +103,38 @@ def test_cuda_backend_without_gpu():
         jaxflash.attention(Q, K, K, backend="cuda")
 
 
+def pretend_cuda(monkeypatch, fwd, bwd):
+    """Inputs on a GPU and a CUDA module compiled for `fwd` and `bwd` ((dtype, head dim) sets): enough to trace."""
+    monkeypatch.setattr(attention_module, "_platform", lambda x: "gpu")
+    monkeypatch.setattr(_ffi, "cuda_built", lambda: True)
+    monkeypatch.setattr(_ffi, "cuda_supported", lambda pass_="fwd": {"fwd": fwd, "bwd": bwd}[pass_])
+
+
+@pytest.mark.parametrize("backend", [None, "cuda"])
+def test_cuda_backward_not_compiled_is_refused_when_differentiated(monkeypatch, backend):
+    pretend_cuda(monkeypatch, fwd={("float16", 16), ("bfloat16", 16)},
+                 bwd={("bfloat16", 16), ("bfloat16", 64), ("float16", 64)})
+    q, k = arr(2, 8, 4, 16, dtype=jnp.float16), arr(2, 8, 2, 16, dtype=jnp.float16)
+    f = lambda q: jaxflash.attention(q, k, k, backend=backend)
+    jax.make_jaxpr(f)(q)  # the forward alone is compiled: it passes
+    match = (r"^jaxflash\.attention: the CUDA backward pass is not compiled for float16 with head dim 16, only the "
+             r"forward; the backward is compiled for bfloat16 with head dims \[16, 64\]; float16 with head dims \[64\]")
+    with pytest.raises(NotImplementedError, match=match):
+        jax.make_jaxpr(jax.grad(lambda q: f(q).sum()))(q)
+    with pytest.raises(NotImplementedError, match=match):
+        jax.make_jaxpr(lambda q: jax.vjp(f, q))(q)
+    qb, kb = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)  # compiled for both passes
+    jax.make_jaxpr(jax.grad(lambda q: jaxflash.attention(q, kb, kb, backend=backend).sum()))(qb)
+
+
+def test_cuda_forward_not_compiled_is_refused(monkeypatch):
+    pretend_cuda(monkeypatch, fwd={("bfloat16", 64)}, bwd={("float16", 16)})
+    q, k = arr(2, 8, 4, 16, dtype=jnp.float16), arr(2, 8, 2, 16, dtype=jnp.float16)
+    with pytest.raises(NotImplementedError, match=r"supports bfloat16 and float16 with head dims \[64\]; got "
+                                                  r"float16 with head dim 16"):
+        jax.eval_shape(lambda q: jaxflash.attention(q, k, k, backend="cuda"), q)
+
+
 def test_errors_raise_at_trace_time_under_jit():
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         jax.jit(lambda q, k: jaxflash.attention(q, k, k)).lower(Q, arr(2, 8, 3, 16))
@@ -116,7 +152,7 @@ def raw_fwd(q, k, v, *, seg=None, lengths=None, state=None, **attrs):
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(lead + (q.shape[-2], sq) if q.ndim >= 3 else (1,), jnp.float32))
     kw = dict(scale=np.float32(1.0), softcap=np.float32(0.0), window_left=-1, window_right=-1, bottom_right=True,
-              segment_ids=False, lengths=False, dropout_rate=np.float32(0))
+              segment_ids=False, lengths=False, dropout_rate=np.float32(0), deterministic=False)
     kw.update(attrs)
     return jax.block_until_ready(jax.ffi.ffi_call("jaxflash_fwd", out_types)(q, k, v, *seg, *lengths, state, **kw))
 
