@@ -1,8 +1,9 @@
-"""Shared test helpers: random inputs, the float64 oracle, and FlashAttention's tolerance rule."""
+"""Shared test helpers: stable seeds, random inputs, the naive baselines and FlashAttention's tolerance rule."""
 from __future__ import annotations
 
 import os
 import sys
+import zlib
 
 # Four host devices so the shard_map tests shard for real (must precede the first jax import).
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -12,8 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-import oracle  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))  # the test modules import oracle, grid and conftest by name
 
 import jaxflash  # noqa: E402
 from jaxflash import reference  # noqa: E402
@@ -32,6 +32,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
+
+
+def stable_seed(*parts) -> int:
+    """The seed of one test case, the same in every process, so a failure replays: crc32 of the parts' text
+    (hash() of a string is salted per process)."""
+    return zlib.crc32(" ".join(map(str, parts)).encode())
 
 
 def make_inputs(seed, lead, sq, sk, hq, hk, d, dtype):
@@ -80,7 +86,3 @@ def kernel_grads(q, k, v, do, causal, scale=None, backend=None):
                      q, k, v)
     return vjp(do)
 
-
-@pytest.fixture
-def oracle_module():
-    return oracle
