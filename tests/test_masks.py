@@ -112,7 +112,7 @@ def test_lengths_zero_rows_are_zero_with_zero_grads():
     assert np.all(np.isneginf(np.asarray(lse)[0, :, 10:])) and np.all(np.isneginf(np.asarray(lse)[1]))
     assert np.all(np.asarray(dq)[0, 10:] == 0) and np.all(np.asarray(dq)[1] == 0)
     assert np.all(np.asarray(dk)[1] == 0) and np.all(np.asarray(dk)[0] != 0)
-    assert np.all(np.asarray(dk)[0] != 0)
+    assert np.all(np.asarray(dv)[1] == 0) and np.all(np.asarray(dv)[0] != 0)
 
 
 def test_vmap_over_segment_ids_only():
