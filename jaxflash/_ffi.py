@@ -64,7 +64,7 @@ def _typeof(x):
 
 def _stat_type(q):
     """Type of a per-row statistic `[..., H, Sq]` float32 built from q's type, so that shard_map's
-    manual-axis info and an Explicit mesh's sharding carry over (research/jax_ffi.md §5.3)."""
+    manual-axis info and an Explicit mesh's sharding carry over (a fresh ShapeDtypeStruct would drop both)."""
     t = _typeof(q)
     shape = q.shape[:-3] + (q.shape[-2], q.shape[-3])
     sharding = getattr(t, "sharding", None)
@@ -80,11 +80,12 @@ def _f32_like(x):
 
 
 def _attrs(cfg) -> dict:
-    """Typed FFI attributes of a `_vjp.Config` (np.float32 for `.Attr<float>`: a Python float is f64)."""
+    """The FFI attributes of a `_vjp.Config`: exactly the fields of the handlers' `Options` struct, which both
+    targets decode whole (np.float32 for a float field: a Python float is f64)."""
     return dict(scale=np.float32(cfg.scale), softcap=np.float32(cfg.softcap), window_left=int(cfg.window_left),
                 window_right=int(cfg.window_right), bottom_right=bool(cfg.bottom_right),
                 segment_ids=bool(cfg.segment_ids), lengths=bool(cfg.lengths),
-                dropout_rate=np.float32(cfg.dropout_rate))
+                dropout_rate=np.float32(cfg.dropout_rate), deterministic=bool(cfg.deterministic))
 
 
 def fwd(q, k, v, operands, cfg):
@@ -98,13 +99,19 @@ def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
     kernel's fp32 workspaces (dq accumulator, rowsum(dO * O) - dlse) are extra outputs owned by XLA, dropped."""
     out_types = (_typeof(q), _typeof(k), _typeof(v), _f32_like(q), _stat_type(q))
     call = jax.ffi.ffi_call("jaxflash_bwd", out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _, _ = call(do, q, k, v, o, lse, dlse, *operands, **_attrs(cfg),
-                            deterministic=bool(cfg.deterministic))
+    dq, dk, dv, _, _ = call(do, q, k, v, o, lse, dlse, *operands, **_attrs(cfg))
     return dq, dk, dv
 
 
-def cuda_supported() -> set[tuple[str, int]]:
-    """(dtype name, head dim) pairs compiled into the CUDA module; empty without it."""
+def cuda_configs() -> list[tuple[str, str, str, int]]:
+    """(family, pass, dtype name, head dim) of every configuration compiled into the CUDA module, in the order
+    of its configuration list; empty without the module. Families: "sm80" (every GPU from sm_80 on) and
+    "sm90" (Hopper); passes: "fwd", "bwd"."""
     if _jaxflash_cuda is None:
-        return set()
-    return {(str(dtype), int(d)) for dtype, d in _jaxflash_cuda.supported_configs()}
+        return []
+    return [(str(f), str(p), str(t), int(d)) for f, p, t, d in _jaxflash_cuda.supported_configs()]
+
+
+def cuda_supported(pass_: str = "fwd") -> set[tuple[str, int]]:
+    """(dtype name, head dim) pairs the CUDA module runs for `pass_` ("fwd" or "bwd") on some family."""
+    return {(t, d) for _, p, t, d in cuda_configs() if p == pass_}

@@ -11,7 +11,7 @@
 // deterministic. Masks (mask.h) skip whole K/V blocks where they can and mask single scores on the rest;
 // softcap transforms the scores; dropout (philox.h) scales P after its row sum, in both passes alike.
 // Layouts: params.h.
-#include "cpu/flash_cpu.h"
+#include "flash_cpu.h"
 
 #include <unistd.h>
 

@@ -4,11 +4,10 @@
 
 #include <cstdint>
 
+#include "config.h"
 #include "params.h"
 
 namespace jaxflash::cpu {
-
-enum class DType { kF32, kBF16, kF16 };
 
 struct BlockSizes {
   int64_t rows_q;  // Br: query rows per block

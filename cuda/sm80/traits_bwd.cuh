@@ -15,7 +15,7 @@
 //   along the rows, kBlockN keys per step in 2 stages; dQ in registers (D/2 fp32 per thread).
 #pragma once
 
-namespace jaxflash {
+namespace jaxflash::sm80 {
 
 template <int kHeadDim>
 struct BwdTileConfig;
@@ -51,4 +51,4 @@ struct BwdTileConfig<256> {
   static constexpr int kDqBlockN = 64;
 };
 
-}  // namespace jaxflash
+}  // namespace jaxflash::sm80

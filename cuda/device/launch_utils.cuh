@@ -1,15 +1,16 @@
-// run_fwd<dtype, head_dim>: grid, shared-memory opt-in and the launch; the helpers the backward's launcher
-// shares. Included only by instantiate/*.cu.
+// Host-side helpers of every GPU family's launchers: the CUTLASS element type of a DType, the per-device
+// shared-memory opt-in, grid limits, and which kernel variant a call needs.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
 
-#include <cuda_runtime.h>
+#include <cutlass/numeric_types.h>
 
-#include "flash_fwd_kernel.cuh"
-#include "launch.h"
+#include "config.h"
 
 namespace jaxflash {
 
@@ -35,24 +36,6 @@ inline bool grid_fits(int64_t blocks) { return blocks > 0 && blocks <= int64_t(I
 template <class Params>
 bool needs_extras(const Params& p) {
   return p.mask.q_segment_ids != nullptr || p.softcap > 0.f || p.dropout.rate > 0.f;
-}
-
-template <class Tr, bool kExtras>
-cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream, int device) {
-  constexpr auto kKernel = &flash_fwd_kernel<Tr, kExtras>;
-  if (cudaError_t err = allow_smem<kKernel>(Tr::kSmemBytes, device); err != cudaSuccess) return err;
-  const int64_t m_blocks = (params.dims.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t grid = m_blocks * params.dims.batch * params.dims.heads_q;
-  if (!grid_fits(grid)) return cudaErrorInvalidConfiguration;
-  kKernel<<<dim3(unsigned(grid)), dim3(Tr::kNThreads), Tr::kSmemBytes, stream>>>(params);
-  return cudaPeekAtLastError();
-}
-
-template <DType kDType, int kHeadDim>
-cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream, int device) {
-  using Tr = FwdTraits<ElementOf<kDType>, kHeadDim>;
-  return needs_extras(params) ? launch_fwd<Tr, true>(params, stream, device)
-                              : launch_fwd<Tr, false>(params, stream, device);
 }
 
 }  // namespace jaxflash

@@ -1,7 +1,7 @@
 // Tile shapes of the forward kernel, one specialisation per head dim: the only home of tuning numbers.
 // An unlisted head dim has no TileConfig and fails to compile.
 //
-// The seed's SRAM rule (shared/seed/README.md): with M bytes of on-chip memory for one block,
+// The SRAM rule of the design note jaxflash grew from: with M bytes of on-chip memory for one block,
 //   Br = min(M / (4 d bytes), d) query rows,  Bc = M / (4 d bytes) key rows.
 // It fixes the order of magnitude (Q, K and V tiles of ~d rows fill M), but not the numbers below, because
 // (a) an mma.sync warp owns 16·k query rows, so Br is a multiple of 16·warps and Bc a multiple of 16;
@@ -22,7 +22,7 @@
 // (load V_j during Q·K_jᵀ, K_{j+1} during P·V_j), 2 issues loads a whole block ahead.
 #pragma once
 
-namespace jaxflash {
+namespace jaxflash::sm80 {
 
 template <int kHeadDim>
 struct TileConfig;
@@ -52,4 +52,4 @@ struct TileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kStages = 1;
 };
 
-}  // namespace jaxflash
+}  // namespace jaxflash::sm80

@@ -83,6 +83,7 @@ struct BwdParams {
   float softcap = 0.0f;
   MaskParams mask;
   DropoutParams dropout;
+  bool deterministic = false;  // no atomics: bitwise-reproducible gradients (the CPU kernel always is)
 };
 
 }  // namespace jaxflash

@@ -1,19 +1,22 @@
-// run_bwd<dtype, head_dim>: grids, shared-memory opt-in and the launches. Included only by instantiate/bwd_*.cu.
+// sm80::run_bwd<dtype, head_dim>: grids, shared-memory opt-in and the launches. Included only by the
+// generated instantiation units.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#include <cuda_runtime.h>
+#include "bwd_kernel.cuh"
+#include "device_info.h"
+#include "launch.h"
+#include "launch_utils.cuh"
 
-#include "flash_bwd_kernel.cuh"
-#include "launch.cuh"  // allow_smem, grid_fits, needs_extras, ElementOf
-#include "launch_bwd.h"
-
-namespace jaxflash {
+namespace jaxflash::sm80 {
 
 template <class Tr, class TrQ, bool kExtras>
-cudaError_t launch_bwd_main(const BwdParams& p, bool deterministic, cudaStream_t stream, int device) {
+cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device) {
+  const bool deterministic = p.deterministic;
   const AttnDims& d = p.dims;
   cudaError_t err;
   // 2. dK, dV (+ dQ atomics).
@@ -35,7 +38,8 @@ cudaError_t launch_bwd_main(const BwdParams& p, bool deterministic, cudaStream_t
 }
 
 template <DType kDType, int kHeadDim>
-cudaError_t run_bwd(const BwdParams& p, bool deterministic, cudaStream_t stream, int device) {
+cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
+  const bool deterministic = p.deterministic;
   using T = ElementOf<kDType>;
   using Tr = BwdTraits<T, kHeadDim>;
   using TrQ = BwdDqTraits<T, kHeadDim>;
@@ -50,18 +54,21 @@ cudaError_t run_bwd(const BwdParams& p, bool deterministic, cudaStream_t stream,
   if ((err = cudaPeekAtLastError()) != cudaSuccess) return err;
 
   // 2. dK, dV (+ dQ atomics), 3b. dQ without atomics.
-  err = needs_extras(p) ? launch_bwd_main<Tr, TrQ, true>(p, deterministic, stream, device)
-                        : launch_bwd_main<Tr, TrQ, false>(p, deterministic, stream, device);
+  err = needs_extras(p) ? launch_bwd_main<Tr, TrQ, true>(p, stream, device)
+                        : launch_bwd_main<Tr, TrQ, false>(p, stream, device);
   if (err != cudaSuccess) return err;
 
   // 3a. dq = scale · dq_accum.
   if (!deterministic) {
+    // A grid-stride loop: 16 blocks of 256 threads per multiprocessor keep every SM busy.
+    DeviceInfo info;
+    if ((err = device_info(device, &info)) != cudaSuccess) return err;
     const int64_t n4 = rows * kHeadDim / 4;
-    const int64_t blocks = std::min<int64_t>((n4 + 255) / 256, 132 * 16);
+    const int64_t blocks = std::min<int64_t>((n4 + 255) / 256, int64_t(info.multiprocessors) * 16);
     flash_bwd_convert_dq_kernel<T><<<unsigned(blocks), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n4,
                                                                            p.scale);
   }
   return cudaPeekAtLastError();
 }
 
-}  // namespace jaxflash
+}  // namespace jaxflash::sm80

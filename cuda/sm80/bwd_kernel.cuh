@@ -29,14 +29,14 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
-#include "flash_fwd_kernel.cuh"  // tile operations shared with the forward: gemm_ss, gemm_rs, convert_fragment, ...
 #include "mask.h"
 #include "mask_tile.cuh"
 #include "params.h"
 #include "softmax.cuh"  // rowcol
+#include "tile.cuh"
 #include "traits_bwd.cuh"
 
-namespace jaxflash {
+namespace jaxflash::sm80 {
 
 using namespace cute;
 
@@ -137,28 +137,6 @@ struct BwdDqTraits {
 };
 
 // ---- small helpers -----------------------------------------------------------------------------------
-
-// Copies the rows of a partitioned tile whose row coordinate is below `rows_left`; loads into shared memory
-// zero-fill the others (kZeroFill: padding rows of Q, dO, K, V must be finite, as 0·NaN would be NaN),
-// stores to global memory skip them.
-template <bool kZeroFill, class TiledCopy, class Src, class Dst, class Coord>
-__forceinline__ __device__ void copy_tile_rows(TiledCopy const& tiled_copy, Src const& src, Dst&& dst,
-                                               Coord const& coord, int64_t rows_left) {
-  CUTE_UNROLL
-  for (int i = 0; i < size<1>(src); ++i) {
-    if (get<0>(coord(0, i, 0)) < rows_left) {
-      copy(tiled_copy, src(_, i, _), dst(_, i, _));
-    } else if constexpr (kZeroFill) {
-      clear(dst(_, i, _));
-    }
-  }
-}
-
-// A tensor that only carries a shape (for register fragments of transposed operands); never dereferenced.
-template <class T, class Shape_>
-__forceinline__ __device__ auto shape_only(T* smem, Shape_ const& shape) {
-  return make_tensor(make_smem_ptr(smem), make_layout(shape));
-}
 
 // Two adjacent fp32 values added to global memory; one vector atomic on Hopper.
 __forceinline__ __device__ void atomic_add_pair(float* addr, float a, float b) {
@@ -409,15 +387,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       Tensor tQgdO = gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0)));
       const int stage_offset = int(it % 2) * Tr::kQElems;
       const int64_t rows_left = bm.q_len - m_block * kM;  // rows past q_len are zero-filled
-      copy_tile_rows<true>(gmem_copy, tQgQ, at_offset(tQsQ, stage_offset), tQcQ, rows_left);
-      copy_tile_rows<true>(gmem_copy, tQgdO, at_offset(tQsdO, stage_offset), tQcQ, rows_left);
+      copy_rows<true>(gmem_copy, tQgQ, at_offset(tQsQ, stage_offset), tQcQ, rows_left);
+      copy_rows<true>(gmem_copy, tQgdO, at_offset(tQsdO, stage_offset), tQcQ, rows_left);
     }
     cp_async_fence();
   };
 
-  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gK), gmem_thr_copy.partition_D(sK), tKVcKV,
+  copy_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gK), gmem_thr_copy.partition_D(sK), tKVcKV,
                        n_valid_end - n0);
-  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gV), gmem_thr_copy.partition_D(sV), tKVcKV,
+  copy_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gV), gmem_thr_copy.partition_D(sV), tKVcKV,
                        n_valid_end - n0);
   load_q_do(0);  // the first group also carries K and V
 
@@ -566,8 +544,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   Tensor tOrdV = make_tensor<T>(shape(tOgdV));
   copy(gmem_copy_out, gmem_thr_copy_out.partition_S(sK), tOrdK);
   copy(gmem_copy_out, gmem_thr_copy_out.partition_S(sV), tOrdV);
-  copy_tile_rows<false>(gmem_copy_out, tOrdK, tOgdK, tOcKV, seqlen_k - n0);
-  copy_tile_rows<false>(gmem_copy_out, tOrdV, tOgdV, tOcKV, seqlen_k - n0);
+  copy_rows<false>(gmem_copy_out, tOrdK, tOgdK, tOcKV, seqlen_k - n0);
+  copy_rows<false>(gmem_copy_out, tOrdV, tOgdV, tOcKV, seqlen_k - n0);
 }
 
 // ---- 3a. dq = scale · dq_accum (atomic mode) -----------------------------------------------------------
@@ -653,16 +631,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
     if (i < n_iters) {
       const int64_t n_block = n_block_min + i;
       const int stage_offset = int(i % 2) * Tr::kKVElems;
-      copy_tile_rows<true>(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, stage_offset), tKVcKV,
+      copy_rows<true>(gmem_copy, tKgK(_, _, _, n_block), at_offset(tKsK, stage_offset), tKVcKV,
                            key_end - n_block * kN);
-      copy_tile_rows<true>(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, stage_offset), tKVcKV,
+      copy_rows<true>(gmem_copy, tVgV(_, _, _, n_block), at_offset(tVsV, stage_offset), tKVcKV,
                            key_end - n_block * kN);
     }
     cp_async_fence();
   };
-  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0))),
+  copy_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0))),
             gmem_thr_copy.partition_D(sQ), tQcQ, m_valid_end - m0);
-  copy_tile_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0))),
+  copy_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0))),
             gmem_thr_copy.partition_D(sdO), tQcQ, m_valid_end - m0);
   load_kv(0);
 
@@ -739,4 +717,4 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
   }
 }
 
-}  // namespace jaxflash
+}  // namespace jaxflash::sm80

@@ -26,9 +26,10 @@
 #include "mask_tile.cuh"
 #include "params.h"
 #include "softmax.cuh"
+#include "tile.cuh"
 #include "traits.cuh"
 
-namespace jaxflash {
+namespace jaxflash::sm80 {
 
 using namespace cute;
 
@@ -86,83 +87,6 @@ struct FwdTraits {
   using GmemTiledCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
                                                   GmemLayoutThreads{}, GmemLayoutValues{}));
 };
-
-// ---- small tile operations ---------------------------------------------------------------------------
-
-// The same tensor view moved by `offset` elements (a multiple of the swizzle period): another stage buffer.
-template <class TensorT>
-__forceinline__ __device__ auto at_offset(TensorT const& t, int offset) {
-  return make_tensor(t.data() + offset, t.layout());
-}
-
-// Copies the rows of a partitioned tile whose row coordinate is below `rows_left`. Loads into shared
-// memory zero-fill the other rows (kZeroFill), so that padding rows of K and V hold finite values (P is 0
-// there, and 0·NaN would be NaN); stores to global memory skip them (they belong to other tensors).
-template <bool kZeroFill, class TiledCopy, class Src, class Dst, class Coord>
-__forceinline__ __device__ void copy_rows(TiledCopy const& tiled_copy, Src const& src, Dst&& dst, Coord const& coord,
-                                          int64_t rows_left) {
-  CUTE_UNROLL
-  for (int i = 0; i < size<1>(src); ++i) {
-    if (get<0>(coord(0, i, 0)) < rows_left) {
-      copy(tiled_copy, src(_, i, _), dst(_, i, _));
-    } else if constexpr (kZeroFill) {
-      clear(dst(_, i, _));
-    }
-  }
-}
-
-// acc += A·Bᵀ with both operands in shared memory; ldmatrix of k-slice k+1 overlaps the MMAs of slice k.
-template <class Acc, class RA, class RB, class SA, class SB, class TiledMma, class CopyA, class CopyB, class ThrCopyA,
-          class ThrCopyB>
-__forceinline__ __device__ void gemm_ss(Acc& acc, RA& rA, RB& rB, SA const& sA, SB const& sB, TiledMma& mma,
-                                        CopyA const& copy_a, CopyB const& copy_b, ThrCopyA const& thr_copy_a,
-                                        ThrCopyB const& thr_copy_b) {
-  Tensor rA_view = thr_copy_a.retile_D(rA);
-  Tensor rB_view = thr_copy_b.retile_D(rB);
-  copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
-  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rA); ++k) {
-    if (k + 1 < size<2>(rA)) {
-      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
-      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
-    }
-    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
-  }
-}
-
-// acc += A·Bᵀ with A already in registers (P) and B in shared memory.
-template <class Acc, class RA, class RB, class SB, class TiledMma, class CopyB, class ThrCopyB>
-__forceinline__ __device__ void gemm_rs(Acc& acc, RA const& rA, RB& rB, SB const& sB, TiledMma& mma,
-                                        CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
-  Tensor rB_view = thr_copy_b.retile_D(rB);
-  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rA); ++k) {
-    if (k + 1 < size<2>(rA)) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
-    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
-  }
-}
-
-// fp32 fragment -> Element fragment of the same layout (packed conversions).
-template <class To, class TensorT>
-__forceinline__ __device__ auto convert_fragment(TensorT const& t) {
-  using From = typename std::remove_cv_t<std::remove_reference_t<TensorT>>::value_type;
-  constexpr int kN = decltype(size(t))::value;
-  Tensor out = make_tensor<To>(t.layout());
-  cutlass::NumericArrayConverter<To, From, kN> convert;
-  *reinterpret_cast<cutlass::Array<To, kN>*>(raw_pointer_cast(out.data())) =
-      convert(*reinterpret_cast<const cutlass::Array<From, kN>*>(raw_pointer_cast(t.data())));
-  return out;
-}
-
-// The C fragment of two adjacent n8 atoms is exactly the A fragment of one k16 atom:
-// ((2,2), MMA_M, MMA_N) -> ((2,2,2), MMA_M, MMA_N/2). This is what lets P feed P·V from registers.
-template <class Layout>
-__forceinline__ __device__ auto acc_as_a_operand(Layout const& acc) {
-  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});
-  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
-}
 
 // ---- the kernel ------------------------------------------------------------------------------------
 // Masks come from mask_tile.cuh. kExtras compiles in segment ids, softcap and dropout: the variant without
@@ -402,4 +326,4 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   }
 }
 
-}  // namespace jaxflash
+}  // namespace jaxflash::sm80

@@ -1,0 +1,98 @@
+// XLA FFI handlers of the CPU kernels (targets jaxflash_fwd / jaxflash_bwd, platform "cpu") and the
+// nanobind module that hands them to Python. Decode, check, fill params, call the kernel.
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "decode.h"
+#include "flash_cpu.h"
+#include "philox.h"
+
+namespace nb = nanobind;
+
+namespace jaxflash {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+ffi::Error CheckHeadDim(const char* target, int64_t d) {
+  if (d < 1 || d > kMaxHeadDim)
+    return Invalid(target, "head dim must be in [1, " + std::to_string(kMaxHeadDim) + "]; got " + std::to_string(d));
+  return ffi::Error::Success();
+}
+
+ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
+                  ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
+                  ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse,
+                  Options opts) {
+  constexpr const char* kTarget = "jaxflash_fwd";
+  FwdParams p;
+  DType dtype;
+  if (auto e = ParseFwd(kTarget, q, k, v, {q_seg, kv_seg, q_len, kv_len, dropout_state}, o, lse, opts, &p);
+      e.failure())
+    return e;
+  if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
+  if (auto e = ToDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
+  if (q.element_count() == 0) return ffi::Error::Success();
+  if (p.dims.seqlen_k == 0) {  // nothing to attend to: O = 0, LSE = -inf
+    std::memset(o->untyped_data(), 0, o->size_bytes());
+    std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
+    return ffi::Error::Success();
+  }
+  cpu::Forward(p, dtype);
+  return ffi::Error::Success();
+}
+
+// The CPU backward pass never uses atomics, so it is deterministic whatever `deterministic` says.
+ffi::Error BwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                  ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_seg,
+                  ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
+                  ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                  ffi::Result<ffi::AnyBuffer> dv, ffi::ResultBuffer<ffi::F32> dq_accum,
+                  ffi::ResultBuffer<ffi::F32> delta, Options opts) {
+  constexpr const char* kTarget = "jaxflash_bwd";
+  BwdParams p;
+  DType dtype;
+  if (auto e = ParseBwd(kTarget, dout, q, k, v, o, lse, dlse, {q_seg, kv_seg, q_len, kv_len, dropout_state}, dq, dk,
+                        dv, dq_accum, delta, opts, &p);
+      e.failure())
+    return e;
+  if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
+  if (auto e = ToDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
+  // Every output is written even when a length is 0 (zero gradients), so no caller sees garbage.
+  for (auto* r : {&dq, &dk, &dv}) std::memset((*r)->untyped_data(), 0, (*r)->size_bytes());
+  std::memset(dq_accum->untyped_data(), 0, dq_accum->size_bytes());
+  std::memset(delta->untyped_data(), 0, delta->size_bytes());
+  if (q.element_count() == 0 || k.element_count() == 0) return ffi::Error::Success();
+  cpu::Backward(p, dtype);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxflash
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdCpu, jaxflash::BindFwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdCpu, jaxflash::BindBwd(ffi::Ffi::Bind()));
+
+NB_MODULE(_jaxflash_cpu, m) {
+  m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
+        "The XLA FFI API version of the headers this module was built against.");
+  m.def("registrations", [] {
+    nb::dict d;
+    d["jaxflash_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashFwdCpu));
+    d["jaxflash_bwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashBwdCpu));
+    return d;
+  });
+  m.def("block_sizes", [](int64_t head_dim) {
+    auto bs = jaxflash::cpu::ComputeBlockSizes(head_dim, jaxflash::cpu::CacheBudgetBytes());
+    return nb::make_tuple(bs.rows_q, bs.rows_k);
+  }, "(Br, Bc) the CPU kernel uses for this head dim.");
+  m.def("philox4x32_10", [](uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+    const jaxflash::Philox4 r = jaxflash::philox4x32_10(jaxflash::Philox4{{c0, c1, c2, c3}}, k0, k1);
+    return nb::make_tuple(r.x[0], r.x[1], r.x[2], r.x[3]);
+  }, "The kernels' Philox4x32-10 (counter words c0..c3, key words k0, k1), for known-answer tests.");
+}

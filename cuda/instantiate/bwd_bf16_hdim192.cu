@@ -1,5 +1,0 @@
-#include "launch_bwd.cuh"
-
-namespace jaxflash {
-template cudaError_t run_bwd<DType::kBF16, 192>(const BwdParams&, bool, cudaStream_t, int);
-}  // namespace jaxflash

@@ -1,5 +1,0 @@
-#include "launch.cuh"
-
-namespace jaxflash {
-template cudaError_t run_fwd<DType::kBF16, 192>(const FwdParams&, cudaStream_t, int);
-}  // namespace jaxflash

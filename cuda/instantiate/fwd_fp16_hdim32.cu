@@ -1,5 +1,0 @@
-#include "launch.cuh"
-
-namespace jaxflash {
-template cudaError_t run_fwd<DType::kFP16, 32>(const FwdParams&, cudaStream_t, int);
-}  // namespace jaxflash
