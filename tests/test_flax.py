@@ -245,6 +245,17 @@ def test_mask_is_a_pytree():
     q = inputs(10, B, S, HEADS, 8)
     out = jax.jit(lambda q, m: jf.attention_fn(q, q, q, mask=m))(q, m)
     np.testing.assert_allclose(out, jf.attention_fn(q, q, q, mask=m), atol=1e-6)
+    assert isinstance(m, jaxflash.Mask) and rebuilt.bottom_right is False
+
+
+def test_attention_fn_keeps_a_core_masks_alignment():
+    """jaxflash.flax.Mask aligns the diagonal top-left; a jaxflash.Mask given to attention_fn keeps bottom-right."""
+    q, k = inputs(11, B, 7, HEADS, 8), inputs(12, B, S, HEADS, 8)
+    top_left = jf.attention_fn(q, k, k, mask=jf.Mask(causal=True))
+    bottom_right = jf.attention_fn(q, k, k, mask=jaxflash.Mask(causal=True))
+    np.testing.assert_allclose(top_left, jaxflash.dot_product_attention(q, k, k, is_causal=True), atol=1e-6)
+    np.testing.assert_allclose(bottom_right, jaxflash.attention(q, k, k, causal=True), atol=1e-6)
+    assert not np.allclose(top_left, bottom_right)
 
 
 # --- flax.nnx ---------------------------------------------------------------------------------------------

@@ -95,6 +95,14 @@ def test_masked_attention_matches_oracle(kind_name, shape, dtype):
         check_close(name, g, r, n, dtype, case)
 
 
+@pytest.mark.parametrize("causal,window,sides", [
+    (False, None, (-1, -1)), (True, None, (-1, 0)), (False, [None, 3], (-1, 3)), (True, (7, None), (7, 0)),
+    (True, (3, 5), (3, 0)), (True, (4, -1), (4, 0)), (False, (np.int64(2), -1), (2, -1))])
+def test_mask_sides(causal, window, sides):
+    mask = jaxflash.Mask(causal, window)
+    assert mask.sides() == sides and isinstance(mask.window, (tuple, type(None)))  # a list becomes hashable
+
+
 def test_causal_equals_window_none_0():
     q, k, v, _ = make_inputs(1, LEAD, 50, 70, 2, 2, 16, DTYPES["float32"])
     a = jaxflash.attention(q, k, v, causal=True)
