@@ -10,7 +10,8 @@
 #   4. the benchmarks: `python -m jaxflash.bench --suite S` for each S in BENCH_SUITES (default "targets masks
 #      dropout": the CUDA issues' target shapes, the mask speedups, the dropout cost; "sweep" is the full grid),
 #      each with --out $LOG/bench_S (CSV, JSON, PNG); BENCH_ARGS passes further options to every suite.
-# Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table.
+# Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table, and the script
+# exits 1 when any step failed (0 only when every step that ran passed).
 # Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BUILD=1, SKIP_SANITIZER=1,
 # SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_PATHS (test files or folders relative to the repo, default
 # "tests"), PYTEST_ARGS (default "-n 8" when pytest-xdist is installed; "-n 16"
@@ -25,7 +26,11 @@ LOG="${OUT:-$(mktemp -d)}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 declare -a NAMES=() RESULTS=()
-verdict() { NAMES+=("$1"); RESULTS+=("$2"); }
+failed=0
+verdict() {
+  NAMES+=("$1"); RESULTS+=("$2")
+  case "$2" in FAIL*) failed=1 ;; esac
+}
 
 if ! "$PY" -c "import cutlass_library" 2>/dev/null && ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/nvidia_cutlass-*.whl
@@ -116,3 +121,4 @@ fi
 echo
 echo "== verdict (logs: $LOG)"
 for i in "${!NAMES[@]}"; do printf '%-22s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
+exit $failed
