@@ -99,10 +99,18 @@ MASKS = (FULL, CAUSAL, Case("window", window=True), Case("docs", docs=16), Case(
 DROPOUT = Case("dropout", dropout=0.1)
 
 
+def jax_nn_mask(kw):
+    """jax.nn's keywords for the mask of `kw`, in the form its cuDNN path computes right: a window with a right side
+    of 0 goes as is_causal=True with local_window_size=(w, 0) (the same mask); as is_causal=False it silently
+    returns a different result there (benchmarks/RESULTS.md, "Peers' findings")."""
+    window = kw.get("window")
+    causal = kw["causal"] or (window is not None and window[1] == 0)
+    return dict(is_causal=causal, local_window_size=window)
+
+
 def _jax_nn(implementation):
     def attn(q, k, v, kw):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=kw["causal"], local_window_size=kw.get("window"),
-                                            implementation=implementation)
+        return jax.nn.dot_product_attention(q, k, v, **jax_nn_mask(kw), implementation=implementation)
     return attn
 
 

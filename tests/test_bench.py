@@ -132,3 +132,18 @@ def test_gqa_rows_leave_out_an_implementation_without_gqa(monkeypatch):
 def test_seed_suite_times_standard_attention_last_as_the_baseline():
     jobs = _gpu_plan(suite="seed")
     assert jobs and all(j.impls[-1] == "xla" == j.base_impl and "reference" not in j.impls for j in jobs)
+
+
+@pytest.mark.parametrize("impl", ["xla", "cudnn"])
+def test_jax_nn_gets_a_right_side_0_window_as_causal(monkeypatch, impl):
+    """jax.nn's cuDNN path silently differs for is_causal=False with local_window_size=(w, 0); the benchmark passes
+    the same mask as is_causal=True, the form that agrees with jax.nn's XLA path."""
+    seen = {}
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kw: seen.update(kw))
+    q = jnp.zeros((1, 64, 2, 32))
+    bench.IMPLS[impl][0](q, q, q, bench.Case("window", window=True).kwargs(1, 64))
+    assert seen == dict(is_causal=True, local_window_size=(4, 0), implementation=impl)
+    bench.IMPLS[impl][0](q, q, q, dict(causal=False, window=(4, 2)))
+    assert (seen["is_causal"], seen["local_window_size"]) == (False, (4, 2))
+    bench.IMPLS[impl][0](q, q, q, bench.CAUSAL.kwargs(1, 64))
+    assert (seen["is_causal"], seen["local_window_size"]) == (True, None)
