@@ -1,15 +1,16 @@
 """`python -m jaxflash.bench`: check, then time, jaxflash against standard attention and its peers.
 
 Suites (`--suite`):
-  sweep    shared/BENCH.md's grid: D in {64, 128, 256}, S in {512 .. 16k}, causal off/on, fwd and fwd+bwd, at
+  sweep    the benchmark grid: D in {64, 128, 256}, S in {512 .. 16k}, causal off/on, fwd and fwd+bwd, at
            16k tokens and model width 2048 (B = 16384 / S, H = 2048 / D), plus a GQA shape (Hq=64, Hkv=8, B=2,
            S=8k) and the long-sequence memory case (B=1, H=16, S=128k fwd / 64k fwd+bwd, jaxflash only).
            On the CPU: a small sweep against the reference (D=64, H=4, S in {256, 1024, 2048}, float32).
-  targets  the CUDA issues' target shapes, with the target beside each jaxflash number (GPU only).
+  targets  the shapes with a performance target (FlashAttention-2 level), the target beside each jaxflash number
+           (GPU only).
   masks    D=128, S=16k: causal, window=(1024, 0), 16 packed documents of 1k tokens, softcap=30, each against
            the same implementation without a mask (fwd and fwd+bwd).
   dropout  D=128, S=16k, fwd+bwd with dropout_rate=0.1 against 0.
-  seed     the seed note's comparison: D=128, N in {1k, 8k}: speedup and memory saved over standard attention
+  seed     D=128, N in {1k, 8k}: speedup and memory saved over standard attention
            (`xla` on a GPU, `reference` on the CPU).
 Implementations: jaxflash (`jaxflash-det`: deterministic=True, on request); standard attention (`reference`:
 jaxflash.reference, materialising jnp; `xla`: jax.nn.dot_product_attention's XLA path); cuDNN through jax.nn;
@@ -316,7 +317,7 @@ class Job:
     base_impl: str | None = None
 
 
-# Targets of issues 3-6 on an H100/H200 (bf16), for jaxflash: (suite, case, pass, D, S) -> at least this many
+# jaxflash's performance targets on an H100/H200 (bf16, FlashAttention-2 level): (suite, case, pass, D, S) -> at least this many
 # TFLOP/s ("TF"), or at least this speedup over the same implementation without the feature ("x").
 TARGETS = {
     ("targets", "full", "fwd", 128, 16384): (370, "TF"),
