@@ -3,8 +3,8 @@
 Element (batch b, head h, query row i, key column j) is kept iff word j % 4 of
 Philox4x32-10(counter = (j // 4, i, h, b), key = the two words of the JAX key) is at least
 floor(rate * 2**32) (rate rounded to float32 first, as the kernels receive it). Kept probabilities are
-scaled by 1 / (1 - rate). The same rule is written once in C++ (cuda/philox.h) for the kernels; this is the
-independent Python twin used by `backend="reference"` and the tests.
+scaled by 1 / (1 - rate). The same rule is written once in C++ (cuda/common/philox.h) for the kernels; this is
+the independent Python twin used by `backend="reference"` and the tests.
 """
 from __future__ import annotations
 

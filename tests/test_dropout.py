@@ -18,7 +18,7 @@ KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
 
 @pytest.mark.parametrize("ctr,key,out", KAT)
 def test_philox_known_answers(ctr, key, out):
-    assert tuple(_jaxflash_cpu.philox4x32_10(*ctr, *key)) == out  # the kernels' C++ (cuda/philox.h)
+    assert tuple(_jaxflash_cpu.philox4x32_10(*ctr, *key)) == out  # the kernels' C++ (cuda/common/philox.h)
     assert tuple(int(w) for w in philox4x32_10(*ctr, *key)) == out  # the JAX twin (dropout_mask)
 
 
