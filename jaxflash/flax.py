@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -1,7 +1,5 @@
 """Masks and variable lengths (window, segment ids, lengths, softcap, top-left alignment) on the CPU
 kernel, forward and backward, against the float64 oracle that materialises the same masks."""
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
