@@ -35,6 +35,12 @@ __forceinline__ __device__ void copy_rows(TiledCopy const& tiled_copy, Src const
   }
 }
 
+// One head of a [..., S, H, D] tensor in global memory as a (rows x kCols) row-major view.
+template <int kCols, class T>
+__forceinline__ __device__ auto gmem_rows(T* ptr, int64_t rows, int64_t row_stride) {
+  return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kCols>{}), make_stride(row_stride, _1{}));
+}
+
 // acc += A·Bᵀ with both operands in shared memory; ldmatrix of k-slice k+1 overlaps the MMAs of slice k.
 template <class Acc, class RA, class RB, class SA, class SB, class TiledMma, class CopyA, class CopyB, class ThrCopyA,
           class ThrCopyB>
@@ -53,6 +59,30 @@ __forceinline__ __device__ void gemm_ss(Acc& acc, RA& rA, RB& rB, SA const& sA, 
     }
     gemm(mma, rA(_, _, k), rB(_, _, k), acc);
   }
+}
+
+// gemm_ss with its register fragments, MMA and copies bound once: gemm(acc, sA, sB).
+template <class TiledMma, class RA, class RB, class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
+struct GemmSS {
+  TiledMma& mma;
+  RA& rA;
+  RB& rB;
+  CopyA const& copy_a;
+  CopyB const& copy_b;
+  ThrCopyA const& thr_copy_a;
+  ThrCopyB const& thr_copy_b;
+
+  template <class Acc, class SA, class SB>
+  __forceinline__ __device__ void operator()(Acc& acc, SA const& sA, SB const& sB) const {
+    gemm_ss(acc, rA, rB, sA, sB, mma, copy_a, copy_b, thr_copy_a, thr_copy_b);
+  }
+};
+
+template <class TiledMma, class RA, class RB, class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
+__forceinline__ __device__ auto bind_gemm_ss(TiledMma& mma, RA& rA, RB& rB, CopyA const& copy_a, CopyB const& copy_b,
+                                             ThrCopyA const& thr_copy_a, ThrCopyB const& thr_copy_b) {
+  return GemmSS<TiledMma, RA, RB, CopyA, CopyB, ThrCopyA, ThrCopyB>{mma, rA, rB, copy_a, copy_b, thr_copy_a,
+                                                                    thr_copy_b};
 }
 
 // acc += A·Bᵀ with A already in registers (P) and B in shared memory.

@@ -31,6 +31,7 @@
 
 #include "mask.h"
 #include "mask_tile.cuh"
+#include "operands.cuh"
 #include "params.h"
 #include "softmax.cuh"  // rowcol
 #include "tile.cuh"
@@ -41,99 +42,43 @@ namespace jaxflash::sm80 {
 using namespace cute;
 
 template <class Element_, int kHeadDim_>
-struct BwdTraits {
-  using Element = Element_;
+struct BwdTraits : OperandTraits<Element_, kHeadDim_, BwdTileConfig<kHeadDim_>::kBlockM,
+                                 BwdTileConfig<kHeadDim_>::kBlockN, BwdTileConfig<kHeadDim_>::kNWarps * 32> {
+  using Base = OperandTraits<Element_, kHeadDim_, BwdTileConfig<kHeadDim_>::kBlockM, BwdTileConfig<kHeadDim_>::kBlockN,
+                             BwdTileConfig<kHeadDim_>::kNWarps * 32>;
   using Config = BwdTileConfig<kHeadDim_>;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = Config::kBlockM;
-  static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kNWarps = Config::kNWarps;
-  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kNWarps = Base::kNWarps;
   static constexpr int kAtomMSdP = Config::kAtomMSdP, kAtomNdKV = Config::kAtomNdKV, kAtomMdQ = Config::kAtomMdQ;
   static_assert(kBlockM % (16 * kAtomMSdP) == 0 && kBlockN % (16 * (kNWarps / kAtomMSdP)) == 0);
-  static_assert(kBlockN % (16 * kAtomNdKV) == 0 && kHeadDim % (16 * (kNWarps / kAtomNdKV)) == 0);
-  static_assert(kBlockM % (16 * kAtomMdQ) == 0 && kHeadDim % (16 * (kNWarps / kAtomMdQ)) == 0);
+  static_assert(kBlockN % (16 * kAtomNdKV) == 0 && kHeadDim_ % (16 * (kNWarps / kAtomNdKV)) == 0);
+  static_assert(kBlockM % (16 * kAtomMdQ) == 0 && kHeadDim_ % (16 * (kNWarps / kAtomMdQ)) == 0);
 
-  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
-                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>,
-                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>>;
   template <int kAtomRows>
-  using WarpGridMma = TiledMMA<MmaAtom, Layout<Shape<Int<kAtomRows>, Int<kNWarps / kAtomRows>, _1>>,
+  using WarpGridMma = TiledMMA<typename Base::MmaAtom, Layout<Shape<Int<kAtomRows>, Int<kNWarps / kAtomRows>, _1>>,
                                Tile<Int<16 * kAtomRows>, Int<16 * (kNWarps / kAtomRows)>, _16>>;
   using TiledMmaSdP = WarpGridMma<kAtomMSdP>;  // (M, N)
   using TiledMmadKV = WarpGridMma<kAtomNdKV>;  // (N, D)
   using TiledMmadQ = WarpGridMma<kAtomMdQ>;    // (M, D)
 
-  // Shared memory: swizzled 8-row atoms as in the forward (conflict-free cp.async stores and ldmatrix).
-  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzle = kBlockKSmem == 32 ? 2 : 3;
-  using SmemLayoutAtom = decltype(composition(
-      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // Q, dO
-  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutQt =
-      decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
-  using SmemLayoutKt =
-      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  static constexpr int kBlockNSmem = kBlockN % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzleN = kBlockNSmem == 32 ? 2 : 3;
-  using SmemLayoutAtomPdS = decltype(composition(
-      Swizzle<kSwizzleN, 3, 3>{}, Layout<Shape<_8, Int<kBlockNSmem>>, Stride<Int<kBlockNSmem>, _1>>{}));
-  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  using SmemLayoutPdSt =
-      decltype(composition(SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+  using SmemLayoutQt = typename Base::template Transposed<typename Base::SmemLayoutQ, kBlockM, kHeadDim_>;
+  using SmemLayoutKt = typename Base::template Transposed<typename Base::SmemLayoutKV, kBlockN, kHeadDim_>;
+  using SmemLayoutPdS = decltype(tile_to_shape(typename Base::template SwizzledAtom<kBlockN % 64 == 0 ? 64 : 32>{},
+                                               typename Base::TileS{}));
+  using SmemLayoutPdSt = typename Base::template Transposed<SmemLayoutPdS, kBlockM, kBlockN>;
 
-  static constexpr int kQElems = kBlockM * kHeadDim;
-  static constexpr int kKVElems = kBlockN * kHeadDim;
   static constexpr int kPElems = kBlockM * kBlockN;
   // K, V | Q stage 0, 1 | dO stage 0, 1 | P | dS
-  static constexpr int kSmemBytes = (2 * kKVElems + 4 * kQElems + 2 * kPElems) * int(sizeof(Element));
-
-  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
-  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
-  using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
-
-  static constexpr int kGmemElemsPerAccess = 16 / int(sizeof(Element));
-  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerAccess;
-  using GmemLayoutThreads = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
-  using GmemLayoutValues = Layout<Shape<_1, Int<kGmemElemsPerAccess>>>;
-  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
-                                                 GmemLayoutThreads{}, GmemLayoutValues{}));
-  using GmemTiledCopyOut = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
-                                                    GmemLayoutThreads{}, GmemLayoutValues{}));
+  static constexpr int kSmemBytes = (2 * Base::kKVElems + 4 * Base::kQElems + 2 * kPElems) * int(sizeof(Element_));
 };
 
 // The deterministic dQ kernel: the forward's shape (warps split the query rows, dS feeds dS·K from registers).
 template <class Element_, int kHeadDim_>
-struct BwdDqTraits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = BwdTileConfig<kHeadDim_>::kDqBlockN;
-  static constexpr int kNWarps = 4;
-  static constexpr int kNThreads = kNWarps * 32;
-  using MmaAtom = typename BwdTraits<Element, kHeadDim>::MmaAtom;
-  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
-
-  using Base = BwdTraits<Element, kHeadDim>;
-  using SmemLayoutQ = typename Base::SmemLayoutQ;
-  using SmemLayoutKV = decltype(tile_to_shape(typename Base::SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutKt =
-      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  static constexpr int kQElems = kBlockM * kHeadDim;
-  static constexpr int kKVElems = kBlockN * kHeadDim;
+struct BwdDqTraits : OperandTraits<Element_, kHeadDim_, 64, BwdTileConfig<kHeadDim_>::kDqBlockN, 128> {
+  using Base = OperandTraits<Element_, kHeadDim_, 64, BwdTileConfig<kHeadDim_>::kDqBlockN, 128>;
+  using TiledMma = typename Base::TiledMmaRows;
+  using SmemLayoutKt = typename Base::template Transposed<typename Base::SmemLayoutKV, Base::kBlockN, kHeadDim_>;
   // Q | dO | K stage 0, 1 | V stage 0, 1
-  static constexpr int kSmemBytes = (2 * kQElems + 4 * kKVElems) * int(sizeof(Element));
-
-  using SmemCopyAtom = typename Base::SmemCopyAtom;
-  using SmemCopyAtomTransposed = typename Base::SmemCopyAtomTransposed;
-  static constexpr int kGmemElemsPerAccess = Base::kGmemElemsPerAccess;
-  static constexpr int kGmemThreadsPerRow = Base::kGmemThreadsPerRow;
-  using GmemLayoutThreads = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
-  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
-                                                 GmemLayoutThreads{}, typename Base::GmemLayoutValues{}));
+  static constexpr int kSmemBytes = (2 * Base::kQElems + 4 * Base::kKVElems) * int(sizeof(Element_));
 };
 
 // ---- small helpers -----------------------------------------------------------------------------------
@@ -249,6 +194,31 @@ __forceinline__ __device__ void load_row_stats(TC const& coords, const BwdParams
   }
 }
 
+// The step both backward kernels take for one (query block, key block) tile: S = Q·Kᵀ recomputed into P
+// (masked, capped, exp against the LSE) in acc_s, and dP = dO·Vᵀ turned into dS in acc_dp. `gemm` is the
+// S/dP GEMM with its fragments and copies bound (bind_gemm_ss); sQ, sK, sdO, sV its partitioned operands.
+template <bool kExtras, int kN, class Gemm, class Acc, class SQ, class SK, class SdO, class SV, class TC, int kRows>
+__forceinline__ __device__ void probs_and_dscores(Gemm const& gemm, Acc& acc_s, Acc& acc_dp, SQ const& sQ,
+                                                  SK const& sK, SdO const& sdO, SV const& sV, TC const& coords,
+                                                  const BwdParams& p, const BatchMask& bm, bool segments,
+                                                  int64_t m0, int64_t m_end, int64_t n0, const float (&lse2)[kRows],
+                                                  const float (&delta)[kRows], float score_log2,
+                                                  const BwdExtras& extras, uint32_t head) {
+  clear(acc_s);
+  gemm(acc_s, sQ, sK);
+  if (segments || n0 + kN > bm.kv_len || !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN)) {
+    recompute_scores<kExtras, true, kN>(acc_s, coords, p, bm, m0, n0);
+  } else {
+    recompute_scores<kExtras, false, kN>(acc_s, coords, p, bm, m0, n0);
+  }
+  Tensor s_rc = rowcol(acc_s);
+  scores_to_probs(s_rc, lse2, score_log2);
+  clear(acc_dp);
+  gemm(acc_dp, sdO, sV);
+  Tensor dp_rc = rowcol(acc_dp);
+  dprobs_to_dscores<kExtras>(dp_rc, s_rc, coords, delta, lse2, extras, head, m0, n0);
+}
+
 // ---- 1. preprocess -----------------------------------------------------------------------------------
 
 // One warp per row (b, i, h) of dO and O: delta[b, h, i] = Σ_d dO·O − dLSE, in fp32; dq_accum row cleared.
@@ -295,9 +265,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p, const bool accumulate_dq) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
-  using TileQ = Shape<Int<kM>, Int<kD>>;
-  using TileKV = Shape<Int<kN>, Int<kD>>;
-  using TileS = Shape<Int<kM>, Int<kN>>;
+  using TileQ = typename Tr::TileQ;
+  using TileKV = typename Tr::TileKV;
+  using TileS = typename Tr::TileS;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const int tid = threadIdx.x;
@@ -332,10 +302,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int64_t q_batch_off = batch * seqlen_q * q_row_stride;
   const int64_t head0 = head_k * group;
 
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<const T*>(p.k) + k_off), make_shape(seqlen_k, Int<kD>{}),
-                          make_stride(k_row_stride, _1{}));
-  Tensor mV = make_tensor(make_gmem_ptr(static_cast<const T*>(p.v) + k_off), make_shape(seqlen_k, Int<kD>{}),
-                          make_stride(k_row_stride, _1{}));
+  Tensor mK = gmem_rows<kD>(static_cast<const T*>(p.k) + k_off, seqlen_k, k_row_stride);
+  Tensor mV = gmem_rows<kD>(static_cast<const T*>(p.v) + k_off, seqlen_k, k_row_stride);
   Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
   Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
 
@@ -379,10 +347,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     if (it < n_iters) {
       const int64_t m_block = iter_m_block(it);
       const int64_t q_off = q_batch_off + iter_head(it) * kD;
-      Tensor mQ = make_tensor(make_gmem_ptr(static_cast<const T*>(p.q) + q_off), make_shape(seqlen_q, Int<kD>{}),
-                              make_stride(q_row_stride, _1{}));
-      Tensor mdO = make_tensor(make_gmem_ptr(static_cast<const T*>(p.dout) + q_off),
-                               make_shape(seqlen_q, Int<kD>{}), make_stride(q_row_stride, _1{}));
+      Tensor mQ = gmem_rows<kD>(static_cast<const T*>(p.q) + q_off, seqlen_q, q_row_stride);
+      Tensor mdO = gmem_rows<kD>(static_cast<const T*>(p.dout) + q_off, seqlen_q, q_row_stride);
       Tensor tQgQ = gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0)));
       Tensor tQgdO = gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0)));
       const int stage_offset = int(it % 2) * Tr::kQElems;
@@ -418,6 +384,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   Tensor tSsdO = thr_copy_sdp_a.partition_S(sdO);
   Tensor tSsK = thr_copy_sdp_b.partition_S(sK);
   Tensor tSsV = thr_copy_sdp_b.partition_S(sV);
+  const auto gemm_sdp = bind_gemm_ss(mma_sdp, tSrQ, tSrK, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
 
   // dV = Pᵀ·dO and dK = dSᵀ·Q: A (N, M) from P/dS and B (D, M) from dO/Q, both read transposed.
   Tensor tKVrPt = thr_dkv.partition_fragment_A(shape_only(smem, Shape<Int<kN>, Int<kM>>{}));
@@ -473,25 +440,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     load_q_do(it + 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
-    clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, at_offset(tSsQ, stage_offset), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a,
-            thr_copy_sdp_b);
-    const bool needs_mask =
-        segments || n0 + kN > bm.kv_len || !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN);
-    if (needs_mask) {
-      recompute_scores<kExtras, true, kN>(acc_s, tScS, p, bm, m0, n0);
-    } else {
-      recompute_scores<kExtras, false, kN>(acc_s, tScS, p, bm, m0, n0);
-    }
-    Tensor s_rc = rowcol(acc_s);
-    scores_to_probs(s_rc, lse2, score_log2);
-
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
-    clear(acc_dp);
-    gemm_ss(acc_dp, tSrQ, tSrK, at_offset(tSsdO, stage_offset), tSsV, mma_sdp, copy_sdp_a, copy_sdp_b,
-            thr_copy_sdp_a, thr_copy_sdp_b);
-    Tensor dp_rc = rowcol(acc_dp);
-    dprobs_to_dscores<kExtras>(dp_rc, s_rc, tScS, delta, lse2, extras, uint32_t(head), m0, n0);
+    probs_and_dscores<kExtras, kN>(gemm_sdp, acc_s, acc_dp, at_offset(tSsQ, stage_offset), tSsK,
+                                   at_offset(tSsdO, stage_offset), tSsV, tScS, p, bm, segments, m0, m_end, n0, lse2,
+                                   delta, score_log2, extras, uint32_t(head));
 
     Tensor rP = convert_fragment<T>(acc_s);
     Tensor rdS = convert_fragment<T>(acc_dp);
@@ -533,10 +485,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
   typename Tr::GmemTiledCopyOut gmem_copy_out;
   auto gmem_thr_copy_out = gmem_copy_out.get_thread_slice(tid);
-  Tensor mdK = make_tensor(make_gmem_ptr(static_cast<T*>(p.dk) + k_off), make_shape(seqlen_k, Int<kD>{}),
-                           make_stride(k_row_stride, _1{}));
-  Tensor mdV = make_tensor(make_gmem_ptr(static_cast<T*>(p.dv) + k_off), make_shape(seqlen_k, Int<kD>{}),
-                           make_stride(k_row_stride, _1{}));
+  Tensor mdK = gmem_rows<kD>(static_cast<T*>(p.dk) + k_off, seqlen_k, k_row_stride);
+  Tensor mdV = gmem_rows<kD>(static_cast<T*>(p.dv) + k_off, seqlen_k, k_row_stride);
   Tensor tOgdK = gmem_thr_copy_out.partition_D(local_tile(mdK, TileKV{}, make_coord(n_block, 0)));
   Tensor tOgdV = gmem_thr_copy_out.partition_D(local_tile(mdV, TileKV{}, make_coord(n_block, 0)));
   Tensor tOcKV = gmem_thr_copy_out.partition_D(make_identity_tensor(TileKV{}));
@@ -566,9 +516,9 @@ template <class Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
-  using TileQ = Shape<Int<kM>, Int<kD>>;
-  using TileKV = Shape<Int<kN>, Int<kD>>;
-  using TileS = Shape<Int<kM>, Int<kN>>;
+  using TileQ = typename Tr::TileQ;
+  using TileKV = typename Tr::TileKV;
+  using TileS = typename Tr::TileS;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const int tid = threadIdx.x;
@@ -598,14 +548,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
   const int64_t n_block_max = key_end > key_begin ? (key_end + kN - 1) / kN : n_block_min;
   const int64_t n_iters = n_block_max - n_block_min;
 
-  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<const T*>(p.q) + q_off), make_shape(seqlen_q, Int<kD>{}),
-                          make_stride(q_row_stride, _1{}));
-  Tensor mdO = make_tensor(make_gmem_ptr(static_cast<const T*>(p.dout) + q_off), make_shape(seqlen_q, Int<kD>{}),
-                           make_stride(q_row_stride, _1{}));
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<const T*>(p.k) + k_off), make_shape(seqlen_k, Int<kD>{}),
-                          make_stride(k_row_stride, _1{}));
-  Tensor mV = make_tensor(make_gmem_ptr(static_cast<const T*>(p.v) + k_off), make_shape(seqlen_k, Int<kD>{}),
-                          make_stride(k_row_stride, _1{}));
+  Tensor mQ = gmem_rows<kD>(static_cast<const T*>(p.q) + q_off, seqlen_q, q_row_stride);
+  Tensor mdO = gmem_rows<kD>(static_cast<const T*>(p.dout) + q_off, seqlen_q, q_row_stride);
+  Tensor mK = gmem_rows<kD>(static_cast<const T*>(p.k) + k_off, seqlen_k, k_row_stride);
+  Tensor mV = gmem_rows<kD>(static_cast<const T*>(p.v) + k_off, seqlen_k, k_row_stride);
   Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));  // (N, D, n_blocks)
   Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
 
@@ -660,6 +606,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
   Tensor tSsK = thr_copy_b.partition_S(sK);
   Tensor tSsV = thr_copy_b.partition_S(sV);
   Tensor tQsKt = thr_copy_bt.partition_S(sKt);
+  const auto gemm_sdp = bind_gemm_ss(mma, tSrQ, tSrK, copy_a, copy_b, thr_copy_a, thr_copy_b);
 
   Tensor acc_dq = partition_fragment_C(mma, TileQ{});
   clear(acc_dq);
@@ -678,22 +625,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
     load_kv(i + 1);
 
     Tensor acc_s = partition_fragment_C(mma, TileS{});
-    clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage_offset), mma, copy_a, copy_b, thr_copy_a, thr_copy_b);
-    const bool needs_mask =
-        segments || n0 + kN > bm.kv_len || !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN);
-    if (needs_mask) {
-      recompute_scores<kExtras, true, kN>(acc_s, tScS, p, bm, m0, n0);
-    } else {
-      recompute_scores<kExtras, false, kN>(acc_s, tScS, p, bm, m0, n0);
-    }
-    Tensor s_rc = rowcol(acc_s);
-    scores_to_probs(s_rc, lse2, score_log2);
     Tensor acc_dp = partition_fragment_C(mma, TileS{});
-    clear(acc_dp);
-    gemm_ss(acc_dp, tSrQ, tSrK, tSsdO, at_offset(tSsV, stage_offset), mma, copy_a, copy_b, thr_copy_a, thr_copy_b);
-    Tensor dp_rc = rowcol(acc_dp);
-    dprobs_to_dscores<kExtras>(dp_rc, s_rc, tScS, delta, lse2, extras, uint32_t(head), m0, n0);
+    probs_and_dscores<kExtras, kN>(gemm_sdp, acc_s, acc_dp, tSsQ, at_offset(tSsK, stage_offset), tSsdO,
+                                   at_offset(tSsV, stage_offset), tScS, p, bm, segments, m0, m_end, n0, lse2, delta,
+                                   score_log2, extras, uint32_t(head));
 
     Tensor rdS = convert_fragment<T>(acc_dp);
     Tensor tQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));

@@ -24,6 +24,7 @@
 
 #include "mask.h"
 #include "mask_tile.cuh"
+#include "operands.cuh"
 #include "params.h"
 #include "softmax.cuh"
 #include "tile.cuh"
@@ -34,58 +35,22 @@ namespace jaxflash::sm80 {
 using namespace cute;
 
 template <class Element_, int kHeadDim_>
-struct FwdTraits {
-  using Element = Element_;
-  using Config = TileConfig<kHeadDim_>;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = Config::kBlockM;
-  static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kNWarps = Config::kNWarps;
-  static constexpr int kStages = Config::kStages;
-  static constexpr int kNThreads = kNWarps * 32;
+struct FwdTraits : OperandTraits<Element_, kHeadDim_, TileConfig<kHeadDim_>::kBlockM, TileConfig<kHeadDim_>::kBlockN,
+                                 TileConfig<kHeadDim_>::kNWarps * 32> {
+  using Base = OperandTraits<Element_, kHeadDim_, TileConfig<kHeadDim_>::kBlockM, TileConfig<kHeadDim_>::kBlockN,
+                             TileConfig<kHeadDim_>::kNWarps * 32>;
+  static constexpr int kStages = TileConfig<kHeadDim_>::kStages;
   // Two resident blocks per SM when four warps (<= 255 registers each); eight-warp tiles keep 255 too.
-  static constexpr int kMinBlocksPerSm = kNWarps == 4 ? 2 : 1;
-  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles of Q");
-  static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0);
+  static constexpr int kMinBlocksPerSm = Base::kNWarps == 4 ? 2 : 1;
+  static_assert(Base::kBlockM % (16 * Base::kNWarps) == 0, "each warp owns whole 16-row MMA tiles of Q");
+  static_assert(Base::kBlockN % 16 == 0 && kHeadDim_ % 32 == 0);
   static_assert(kStages >= 1);
 
-  // Warps split the query rows (FA2's "split-Q"): no reduction across warps is ever needed.
-  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::bfloat16_t>,
-                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>,
-                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>>;
-  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
-
-  // Shared memory: 8-row atoms of 64 (or 32) columns, XOR-swizzled so that both the 16-byte cp.async
-  // stores and the ldmatrix loads are free of bank conflicts.
-  static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kSwizzle = kBlockKSmem == 32 ? 2 : 3;
-  using SmemLayoutAtom = decltype(composition(
-      Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using TiledMma = typename Base::TiledMmaRows;
   // V seen as Vᵀ (D x N) for the B operand of P·V, read with ldmatrix.trans.
-  using SmemLayoutVt =
-      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  using SmemLayoutVtShape = Layout<Shape<Int<kHeadDim>, Int<kBlockN>>>;  // only to size register fragments
-
-  static constexpr int kQElems = kBlockM * kHeadDim;
-  static constexpr int kKVElems = kBlockN * kHeadDim;
-  static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
-
-  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
-  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
-  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
-
-  // Global memory: each thread moves 16 bytes per access, a row of kBlockKSmem columns per thread group.
-  static constexpr int kGmemElemsPerAccess = 16 / int(sizeof(Element));
-  static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerAccess;
-  using GmemLayoutThreads = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
-  using GmemLayoutValues = Layout<Shape<_1, Int<kGmemElemsPerAccess>>>;
-  using GmemTiledCopyQKV = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
-                                                    GmemLayoutThreads{}, GmemLayoutValues{}));
-  using GmemTiledCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{},
-                                                  GmemLayoutThreads{}, GmemLayoutValues{}));
+  using SmemLayoutVt = typename Base::template Transposed<typename Base::SmemLayoutKV, Base::kBlockN, kHeadDim_>;
+  using SmemLayoutVtShape = Layout<Shape<Int<kHeadDim_>, Int<Base::kBlockN>>>;  // only to size register fragments
+  static constexpr int kSmemBytes = (Base::kQElems + 2 * kStages * Base::kKVElems) * int(sizeof(Element_));
 };
 
 // ---- the kernel ------------------------------------------------------------------------------------
@@ -96,8 +61,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
-  using TileQ = Shape<Int<kM>, Int<kD>>;
-  using TileKV = Shape<Int<kN>, Int<kD>>;
+  using TileQ = typename Tr::TileQ;
+  using TileKV = typename Tr::TileKV;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const int tid = threadIdx.x;
@@ -122,11 +87,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
   float* lse_row = p.lse + (batch * dims.heads_q + head) * seqlen_q + m0;
 
-  Tensor mO = make_tensor(make_gmem_ptr(static_cast<T*>(p.o) + q_off), make_shape(seqlen_q, Int<kD>{}),
-                          make_stride(q_row_stride, _1{}));
+  Tensor mO = gmem_rows<kD>(static_cast<T*>(p.o) + q_off, seqlen_q, q_row_stride);
   Tensor gO = local_tile(mO, TileQ{}, make_coord(m_block, 0));
   Tensor cQ = make_identity_tensor(TileQ{});  // (row, col) inside the Q/O tile
-  typename Tr::GmemTiledCopyO gmem_copy_o;
+  typename Tr::GmemTiledCopyOut gmem_copy_o;
   auto gmem_thr_copy_o = gmem_copy_o.get_thread_slice(tid);
   Tensor tOgO = gmem_thr_copy_o.partition_D(gO);
   Tensor tOcO = gmem_thr_copy_o.partition_D(cQ);
@@ -152,12 +116,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   }
 
   // ---- global and shared tiles ----
-  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<const T*>(p.q) + q_off), make_shape(seqlen_q, Int<kD>{}),
-                          make_stride(q_row_stride, _1{}));
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<const T*>(p.k) + k_off), make_shape(seqlen_k, Int<kD>{}),
-                          make_stride(k_row_stride, _1{}));
-  Tensor mV = make_tensor(make_gmem_ptr(static_cast<const T*>(p.v) + k_off), make_shape(seqlen_k, Int<kD>{}),
-                          make_stride(k_row_stride, _1{}));
+  Tensor mQ = gmem_rows<kD>(static_cast<const T*>(p.q) + q_off, seqlen_q, q_row_stride);
+  Tensor mK = gmem_rows<kD>(static_cast<const T*>(p.k) + k_off, seqlen_k, k_row_stride);
+  Tensor mV = gmem_rows<kD>(static_cast<const T*>(p.v) + k_off, seqlen_k, k_row_stride);
   Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));  // (M, D)
   Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));       // (N, D, n_blocks)
   Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
@@ -170,7 +131,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   Tensor sVt = make_tensor(make_smem_ptr(smem_v), typename Tr::SmemLayoutVt{});
   Tensor sVtShape = make_tensor(make_smem_ptr(smem_v), typename Tr::SmemLayoutVtShape{});
 
-  typename Tr::GmemTiledCopyQKV gmem_copy;
+  typename Tr::GmemTiledCopy gmem_copy;
   auto gmem_thr_copy = gmem_copy.get_thread_slice(tid);
   Tensor tQgQ = gmem_thr_copy.partition_S(gQ);
   Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
@@ -304,7 +265,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   }
   Tensor rO = convert_fragment<T>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename Tr::SmemLayoutQ{});
-  auto smem_copy_o = make_tiled_copy_C(typename Tr::SmemCopyAtomO{}, tiled_mma);
+  auto smem_copy_o = make_tiled_copy_C(typename Tr::SmemCopyAtomStore{}, tiled_mma);
   auto smem_thr_copy_o = smem_copy_o.get_thread_slice(tid);
   Tensor taccOrO = smem_thr_copy_o.retile_S(rO);
   Tensor taccOsO = smem_thr_copy_o.partition_D(sO);
