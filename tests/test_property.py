@@ -20,7 +20,9 @@ def configs(draw):
         scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))), seed=draw(st.integers(0, 2**31)))
 
 
-@settings(max_examples=40, deadline=None)
+# derandomize: the same 40 examples in every run, so a failure replays (like the other tests' stable seeds);
+# no example database, so one machine's stored failures do not make its runs differ from CI's.
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(configs())
 def test_random_configs_match_oracle(c):
     q, k, v, do = make_inputs(c["seed"], c["lead"], c["sq"], c["sk"], c["hq"], c["hk"], c["d"], DTYPES[c["dtype"]])
