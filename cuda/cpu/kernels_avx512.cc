@@ -1,0 +1,24 @@
+// The kernel table for AVX-512 (AVX512F/DQ/BW/VL, as in x86-64-v4): 16 floats a vector and 32 vector
+// registers, so a register block of 8 rows x 32 columns (16 accumulators, 2 B vectors, a broadcast).
+#include <immintrin.h>
+
+#include "cpu/kernels.h"
+
+namespace jaxflash::cpu {
+namespace {
+
+typedef __m512 V;
+typedef int32_t VI __attribute__((vector_size(64)));
+constexpr int kW = 16, kMR = 8, kNV = 2;
+inline V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V Splat(float x) { return _mm512_set1_ps(x); }
+
+#include "cpu/kernels_impl.h"
+
+constexpr Kernels kTable{"avx512", kW, Gemm, Softmax, ProbsGrads};
+
+}  // namespace
+
+const Kernels& KernelsAvx512() { return kTable; }
+
+}  // namespace jaxflash::cpu
