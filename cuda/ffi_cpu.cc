@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <utility>
 
 #include "cpu/flash_cpu.h"
 #include "ffi_common.h"
@@ -32,7 +34,18 @@ ffi::Error CheckHeadDim(const char* target, int64_t d) {
   return ffi::Error::Success();
 }
 
-ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
+// XLA's intra-op thread pool as the kernels' TaskPool.
+class XlaPool final : public cpu::TaskPool {
+ public:
+  explicit XlaPool(ffi::ThreadPool& pool) : pool_(pool) {}
+  int num_threads() const override { return int(pool_.num_threads()); }
+  void Schedule(std::function<void()> task) override { pool_.Schedule(std::move(task)); }
+
+ private:
+  ffi::ThreadPool& pool_;
+};
+
+ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse, float scale, float softcap,
                    int64_t window_left, int64_t window_right, bool bottom_right, bool use_segment_ids,
@@ -53,11 +66,12 @@ ffi::Error FwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Bu
     std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
     return ffi::Error::Success();
   }
-  cpu::Forward(p, dtype);
+  XlaPool tasks(pool);
+  cpu::Forward(p, dtype, &tasks);
   return ffi::Error::Success();
 }
 
-ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
@@ -82,7 +96,8 @@ ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   std::memset(dq_accum->untyped_data(), 0, dq_accum->size_bytes());
   std::memset(delta->untyped_data(), 0, delta->size_bytes());
   if (q.element_count() == 0 || k.element_count() == 0) return ffi::Error::Success();
-  cpu::Backward(p, dtype);
+  XlaPool tasks(pool);
+  cpu::Backward(p, dtype, &tasks);
   return ffi::Error::Success();
 }
 
@@ -91,8 +106,8 @@ ffi::Error BwdImpl(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdImpl, jaxflash::BindFwd(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl, jaxflash::BindBwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdImpl, jaxflash::BindFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdImpl, jaxflash::BindBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 NB_MODULE(_jaxflash_cpu, m) {
   m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
