@@ -45,7 +45,8 @@ class XlaPool final : public cpu::TaskPool {
   ffi::ThreadPool& pool_;
 };
 
-ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
+ffi::Error FwdImpl(ffi::ThreadPool pool,
+                   ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse, float scale, float softcap,
                    int64_t window_left, int64_t window_right, bool bottom_right, bool use_segment_ids,
@@ -71,7 +72,8 @@ ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return ffi::Error::Success();
 }
 
-ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+ffi::Error BwdImpl(ffi::ThreadPool pool,
+                   ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_seg,
                    ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,

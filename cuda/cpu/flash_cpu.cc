@@ -141,7 +141,8 @@ struct Tile {
   std::vector<float> data;
   int64_t ld = 0;
   Tile() = default;
-  Tile(int64_t rows, int64_t cols, int64_t vec) : data(rows * RoundUp(std::max<int64_t>(cols, 1), vec)), ld(RoundUp(std::max<int64_t>(cols, 1), vec)) {}
+  Tile(int64_t rows, int64_t cols, int64_t vec)
+      : data(rows * RoundUp(std::max<int64_t>(cols, 1), vec)), ld(RoundUp(std::max<int64_t>(cols, 1), vec)) {}
   float* row(int64_t r) { return data.data() + r * ld; }
   float* ptr() { return data.data(); }
 };
