@@ -1,5 +1,6 @@
 // The kernel table for AVX2 + FMA (x86-64-v3): 8 floats a vector and 16 vector registers, so a register
-// block of 6 rows x 16 columns (12 accumulators, 2 B vectors, a broadcast).
+// block of 6 rows x 16 columns (12 accumulators, 2 B vectors, a broadcast). Tile-size products: 54-70
+// GFLOP/s on one core of the busy CI machine, where the AVX-512 table ran at 63-77.
 #include <immintrin.h>
 
 #include "cpu/kernels.h"
