@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <utility>
 
 #include "decode.h"
 #include "flash_cpu.h"
@@ -23,10 +25,22 @@ ffi::Error CheckHeadDim(const char* target, int64_t d) {
   return ffi::Error::Success();
 }
 
-ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
-                  ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
-                  ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse,
-                  Options opts) {
+// XLA's intra-op thread pool as the kernels' TaskPool (without one, num_threads() is 0 and Schedule runs the
+// task inline: the kernels then run on the calling thread).
+class XlaPool final : public cpu::TaskPool {
+ public:
+  explicit XlaPool(ffi::ThreadPool& pool) : pool_(pool) {}
+  int num_threads() const override { return int(pool_.num_threads()); }
+  void Schedule(std::function<void()> task) override { pool_.Schedule(std::move(task)); }
+
+ private:
+  ffi::ThreadPool& pool_;
+};
+
+ffi::Error FwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                  ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
+                  ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o,
+                  ffi::ResultBuffer<ffi::F32> lse, Options opts) {
   constexpr const char* kTarget = "jaxflash_fwd";
   FwdParams p;
   DType dtype;
@@ -41,16 +55,17 @@ ffi::Error FwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buf
     std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
     return ffi::Error::Success();
   }
-  cpu::Forward(p, dtype);
+  XlaPool tasks(pool);
+  cpu::Forward(p, dtype, &tasks);
   return ffi::Error::Success();
 }
 
 // The CPU backward pass never uses atomics, so it is deterministic whatever `deterministic` says.
-ffi::Error BwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
-                  ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_seg,
-                  ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
-                  ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                  ffi::Result<ffi::AnyBuffer> dv, ffi::ResultBuffer<ffi::F32> dq_accum,
+ffi::Error BwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                  ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
+                  ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
+                  ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> dq,
+                  ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, ffi::ResultBuffer<ffi::F32> dq_accum,
                   ffi::ResultBuffer<ffi::F32> delta, Options opts) {
   constexpr const char* kTarget = "jaxflash_bwd";
   BwdParams p;
@@ -66,7 +81,8 @@ ffi::Error BwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
   std::memset(dq_accum->untyped_data(), 0, dq_accum->size_bytes());
   std::memset(delta->untyped_data(), 0, delta->size_bytes());
   if (q.element_count() == 0 || k.element_count() == 0) return ffi::Error::Success();
-  cpu::Backward(p, dtype);
+  XlaPool tasks(pool);
+  cpu::Backward(p, dtype, &tasks);
   return ffi::Error::Success();
 }
 
@@ -75,8 +91,11 @@ ffi::Error BwdCpu(ffi::AnyBuffer dout, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdCpu, jaxflash::BindFwd(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdCpu, jaxflash::BindBwd(ffi::Ffi::Bind()));
+// The kernels run on XLA's intra-op thread pool, bound first so it is the handlers' first parameter.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdCpu,
+                              jaxflash::BindFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdCpu,
+                              jaxflash::BindBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 NB_MODULE(_jaxflash_cpu, m) {
   m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
