@@ -6,7 +6,8 @@ whole batch everywhere. The rule says which dims are independent: every leading 
 grouped-query q's head dim is the compound factor (kv head, group), so that a shard holds whole groups with their
 key/value heads. Sequence and head_dim are contracted or mixed inside the kernel and are replicated. The mask
 operands (segment ids, lengths) and the dropout state follow the batch dims; the dropout state carries each batch
-element's global index, so a shard draws the same mask as the unsharded call.
+element's global index, so a batch shard draws the same mask as the unsharded call. The kernels count heads from 0
+within a call, so with dropout the heads stay whole (XLA gathers head-sharded inputs, as it would without a rule).
 
 `custom_partitioning` has no batching rule, so each call is also a `custom_vmap` whose rule moves the vmapped axis
 to the front as one more batch dim (a reshape into the existing batch dim would make XLA gather) and calls the
@@ -41,7 +42,7 @@ _MASK_OPERANDS = "... s, ... t, ..., ..., ... w"  # q/kv segment ids, q/kv lengt
 _REPLICATED = ("s", "d", "t", "w")  # Shardy wants them in the order the factors first appear
 
 
-def _rule(kind, group):
+def _rule(kind, group, split_heads):
     h = "(k g)" if group > 1 else "k"
     q, kv, stat = f"... s {h} d", "... t k d", f"... {h} s"
     if kind == "fwd":
@@ -49,16 +50,18 @@ def _rule(kind, group):
     else:  # do, q, k, v, o, lse, dlse, masks -> dq, dk, dv, and two fp32 workspaces shaped like q and lse
         rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {stat}, {_MASK_OPERANDS} -> {q}, {kv}, {kv}, {q}, {stat}"
     sizes = {"g": group} if group > 1 else {}
-    return rule, dict(need_replication_factors=_REPLICATED, **sizes)
+    replicated = _REPLICATED if split_heads else ("s", "k", *sizes, "d", "t", "w")
+    return rule, dict(need_replication_factors=replicated, **sizes)
 
 
-def _shardings(kind, mesh, q_info, hk):
+def _shardings(kind, mesh, q_info, hk, split_heads):
     """(operand shardings, result shardings) of one call from q's sharding: q's leading-dim axes for every batch
-    dim, q's head axes for the heads when they split the key/value heads evenly, everything else replicated."""
+    dim, q's head axes for the heads when allowed and they split the key/value heads evenly, everything else
+    replicated."""
     nd = len(q_info.shape)
     spec = tuple(getattr(q_info.sharding, "spec", ())) + (None,) * nd
     lead, heads = spec[:nd - 3], spec[nd - 2]
-    if heads is not None and hk % _axes_size(mesh, heads):
+    if heads is not None and (not split_heads or hk % _axes_size(mesh, heads)):
         heads = None  # a shard would split a kv head's group across devices: keep heads whole
     named = lambda *s: NamedSharding(mesh, P(*lead, *s))
     q, kv, stat = named(None, heads, None), named(None, heads, None), named(heads, None)
@@ -87,6 +90,8 @@ def _call(kind, cfg, *arrays):
 
 @functools.lru_cache(maxsize=None)
 def _partitioned(kind, cfg, group):
+    # The dropout counter holds the head's index within the call; a head shard would draw other heads' masks.
+    split_heads = cfg.dropout_rate == 0
     def f(*arrays):
         return _call(kind, cfg, *arrays)
 
@@ -94,10 +99,10 @@ def _partitioned(kind, cfg, group):
         del result_infos
         q_info = arg_infos[0] if kind == "fwd" else arg_infos[1]
         hk = arg_infos[1].shape[-2] if kind == "fwd" else arg_infos[2].shape[-2]
-        in_shardings, out_shardings = _shardings(kind, mesh, q_info, hk)
+        in_shardings, out_shardings = _shardings(kind, mesh, q_info, hk, split_heads)
         return mesh, functools.partial(_call, kind, cfg), out_shardings, in_shardings
 
-    rule, factors = _rule(kind, group)
+    rule, factors = _rule(kind, group, split_heads)
     cp = custom_partitioning(f)
     cp.def_partition(partition=partition, sharding_rule=rule, **factors)
     return cp
@@ -116,6 +121,7 @@ def _vmappable(kind, cfg):
         # Every operand gets the vmapped axis in front (unbatched ones by broadcasting, as the FFI calls'
         # vmap_method="broadcast_all" does), and the kernels see one more batch dim.
         arrays = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(arrays, in_batched)]
-        return call(*arrays), True
+        outs = call(*arrays)
+        return outs, tuple(True for _ in outs)
 
     return call
