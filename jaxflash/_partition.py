@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -102,9 +103,13 @@ def _partitioned(kind, cfg, group):
         in_shardings, out_shardings = _shardings(kind, mesh, q_info, hk, split_heads)
         return mesh, functools.partial(_call, kind, cfg), out_shardings, in_shardings
 
+    def infer_sharding_from_operands(mesh, arg_infos, result_infos):  # the partitioner without Shardy (GSPMD)
+        return partition(mesh, arg_infos, result_infos)[2]
+
     rule, factors = _rule(kind, group, split_heads)
     cp = custom_partitioning(f)
-    cp.def_partition(partition=partition, sharding_rule=rule, **factors)
+    cp.def_partition(partition=partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                     sharding_rule=rule, **factors)
     return cp
 
 
@@ -124,4 +129,5 @@ def _vmappable(kind, cfg):
         outs = call(*arrays)
         return outs, tuple(True for _ in outs)
 
-    return call
+    # Under jit this inlines; called eagerly, the jit lets the partitioner see the operands' shardings too.
+    return jax.jit(call)

@@ -158,3 +158,29 @@ def test_vmap_of_query_only():
     got = compiled(*placed)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
     assert got[0].sharding.is_equivalent_to(placed[0].sharding, q.ndim)
+
+
+def test_eager_call_stays_sharded():
+    """Without an enclosing jit, each kernel call is still compiled for its operands' shardings."""
+    mesh = _mesh()
+    q, k, v, _, _ = _inputs("eager", 2)
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data", None, "model"))) for x in (q, k, v)]
+    got = _forward_and_vjp(lambda q, k, v: jaxflash.attention(q, k, v, causal=True))(*placed)
+    expected = jax.jit(_forward_and_vjp(lambda q, k, v: jaxflash.attention(q, k, v, causal=True)))(q, k, v)
+    for g, e, like in zip(got, expected, (placed[0], placed[0], placed[1], placed[2])):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+        assert g.sharding.is_equivalent_to(like.sharding, g.ndim)
+
+
+@pytest.mark.skipif(not hasattr(jax.config, "jax_use_shardy_partitioner"), reason="no GSPMD switch in this jax")
+def test_gspmd_partitioner():
+    """The same partitioning with Shardy switched off (XLA's older GSPMD propagation)."""
+    mesh = _mesh()
+    q, k, v, _, _ = _inputs("gspmd", 2)
+    f = _forward_and_vjp(lambda q, k, v: jaxflash.attention(q, k, v, causal=True))
+    shardy = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        _check(f, (q, k, v), [NamedSharding(mesh, P("data", None, "model"))] * 3, local_q=f"f32[2,{S},{H // 2},{D}]")
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", shardy)
