@@ -63,7 +63,7 @@ def _shardings(kind, mesh, q_info, hk, split_heads):
     spec = tuple(getattr(q_info.sharding, "spec", ())) + (None,) * nd
     lead, heads = spec[:nd - 3], spec[nd - 2]
     if heads is not None and (not split_heads or hk % _axes_size(mesh, heads)):
-        heads = None  # a shard would split a kv head's group across devices: keep heads whole
+        heads = None  # dropout, or a shard would hold part of a kv head's group: heads whole
     named = lambda *s: NamedSharding(mesh, P(*lead, *s))
     q, kv, stat = named(None, heads, None), named(None, heads, None), named(heads, None)
     masks = (named(None), named(None), named(), named(), named(None))
@@ -93,6 +93,7 @@ def _call(kind, cfg, *arrays):
 def _partitioned(kind, cfg, group):
     # The dropout counter holds the head's index within the call; a head shard would draw other heads' masks.
     split_heads = cfg.dropout_rate == 0
+
     def f(*arrays):
         return _call(kind, cfg, *arrays)
 
