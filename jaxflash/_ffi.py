@@ -95,12 +95,16 @@ def fwd(q, k, v, operands, cfg):
 
 
 def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
-    """(do, q, k, v, o, lse, dlse, the operands of fwd) -> (dq, dk, dv); dlse is the cotangent of lse. The
-    kernel's fp32 workspaces (dq accumulator, rowsum(dO * O) - dlse) are extra outputs owned by XLA, dropped."""
+    """(do, q, k, v, o, lse, dlse, the operands of fwd) -> (dq, dk, dv); dlse is the cotangent of lse."""
+    return bwd_all(do, q, k, v, o, lse, dlse, operands, cfg)[:3]
+
+
+def bwd_all(do, q, k, v, o, lse, dlse, operands, cfg):
+    """`bwd` with the kernel's fp32 workspaces, extra outputs owned by XLA: (dq, dk, dv, dq accumulator,
+    rowsum(dO * O) - dlse)."""
     out_types = (_typeof(q), _typeof(k), _typeof(v), _f32_like(q), _stat_type(q))
     call = jax.ffi.ffi_call("jaxflash_bwd", out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _, _ = call(do, q, k, v, o, lse, dlse, *operands, **_attrs(cfg))
-    return dq, dk, dv
+    return tuple(call(do, q, k, v, o, lse, dlse, *operands, **_attrs(cfg)))
 
 
 def cuda_configs() -> list[tuple[str, str, str, int]]:

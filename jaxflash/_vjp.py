@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _ffi
+from . import _ffi, _partition
 
 
 class Config(NamedTuple):
@@ -26,7 +26,7 @@ class Config(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def flash(q, k, v, operands, cfg: Config):
-    return _ffi.fwd(q, k, v, operands, cfg)
+    return _partition.fwd(q, k, v, operands, cfg)
 
 
 def _fwd(q, k, v, operands, cfg):
@@ -34,7 +34,7 @@ def _fwd(q, k, v, operands, cfg):
     # backward kernel was not compiled.
     if cfg.backend == "cuda":
         _check_cuda_backward(q)
-    o, lse = _ffi.fwd(q, k, v, operands, cfg)
+    o, lse = _partition.fwd(q, k, v, operands, cfg)
     return (o, lse), (q, k, v, o, lse, operands)
 
 
@@ -42,7 +42,7 @@ def _bwd(cfg, res, cotangents):
     do, dlse = cotangents
     q, k, v, o, lse, operands = res
     no_grad = tuple(None for _ in operands)  # integer operands: no cotangents
-    return (*_ffi.bwd(do, q, k, v, o, lse, dlse, operands, cfg), no_grad)
+    return (*_partition.bwd(do, q, k, v, o, lse, dlse, operands, cfg), no_grad)
 
 
 flash.defvjp(_fwd, _bwd)

@@ -48,7 +48,9 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
         (batch, head, row, column) is a pure function of the key and those indices (Philox4x32-10, see
         `jaxflash.dropout_mask`), so the backward pass redraws exactly the forward's mask and the result does
         not depend on tiling or on vmap over the other inputs. Batch indices count the flattened leading dims
-        of one call: inside ``shard_map`` fold the shard index into the key.
+        of one call: under ``jit`` with sharded inputs they stay global and the mask equals the unsharded
+        call's (with dropout, sharded heads are gathered), while inside ``shard_map`` each shard counts from 0,
+        so fold the shard index into the key there.
       scale: multiplies the scores; defaults to ``1 / sqrt(D)``. Must be finite and positive.
       return_lse: also return the log-sum-exp of the (capped, masked) scores, ``[..., Hq, Sq]`` float32
         (natural log). It is differentiable.
@@ -63,6 +65,10 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
 
     Dtypes: float32, bfloat16 and float16 on the CPU; bfloat16 and float16 on a GPU. Accumulation is
     float32. Gradients come from the FlashAttention-2 backward kernel, not from autodiff of the reference.
+
+    Sharding: under ``jax.jit``, inputs sharded on leading (batch) dims and/or the heads (GQA: in whole groups)
+    run the kernels shard by shard, with no communication, and the results (and gradients) keep the inputs'
+    shardings. Sharded sequence or head_dim axes are gathered first.
     """
     mask = Mask(causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
     return attend(query, key, value, mask, softcap=softcap, dropout_rate=dropout_rate, dropout_key=dropout_key,
