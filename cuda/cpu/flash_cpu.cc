@@ -18,8 +18,6 @@
 // JAXFLASH_CPU_KERNELS=avx2 or generic picks a lower table (to test those on a newer CPU).
 #include "flash_cpu.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -251,7 +249,7 @@ void ForwardImpl(const FwdParams& p, TaskPool* pool) {
   const int64_t W = kn.vec;
   const AttnDims& dm = p.dims;
   const int64_t D = dm.head_dim, group = dm.group(), Dp = RoundUp(D, W);
-  const BlockSizes bs = ComputeBlockSizes(D, CacheBudgetBytes());
+  const BlockSizes bs = ComputeBlockSizes(D);
   const int64_t br = bs.rows_q, bc = bs.rows_k;
   const int64_t num_q_blocks = (dm.seqlen_q + br - 1) / br;
   const T* q = static_cast<const T*>(p.q);
@@ -330,7 +328,7 @@ void BackwardImpl(const BwdParams& p, TaskPool* pool) {
   const int64_t W = kn.vec;
   const AttnDims& dm = p.dims;
   const int64_t D = dm.head_dim, group = dm.group(), Dp = RoundUp(D, W);
-  const BlockSizes bs = ComputeBlockSizes(D, CacheBudgetBytes());
+  const BlockSizes bs = ComputeBlockSizes(D);
   const int64_t br = bs.rows_q, bc = bs.rows_k;
   const int64_t num_q_blocks = (dm.seqlen_q + br - 1) / br;
   const T* q = static_cast<const T*>(p.q);
@@ -480,21 +478,9 @@ void BackwardImpl(const BwdParams& p, TaskPool* pool) {
 // (32 KiB) and its gradient stay in L2 beside the K/V rows. Measured on the 2-core CI machine (AVX-512,
 // float32, H=4, S=2048, D in {64, 128}, causal or not, fwd and fwd+bwd, every choice interleaved in one
 // process): of Br x Bc in {32, 64, 128} x {64, 128, 256}, 64 x 128 was the best or within 4% of it in 7 of
-// the 8 cases (128 x 128 was 17% faster for the D=64 forward alone). The cache budget no longer enters;
-// the argument stays for the module's block_sizes().
-BlockSizes ComputeBlockSizes(int64_t head_dim, int64_t budget_bytes) {
-  (void)head_dim;
-  (void)budget_bytes;
-  return {64, 128};
-}
+// the 8 cases (128 x 128 was 17% faster for the D=64 forward alone), so the head dim does not enter.
+BlockSizes ComputeBlockSizes(int64_t /*head_dim*/) { return {64, 128}; }
 
-int64_t CacheBudgetBytes() {
-  static const int64_t budget = [] {
-    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return l2 > 0 ? int64_t(l2) : int64_t(1) << 20;
-  }();
-  return budget;
-}
 
 void Forward(const FwdParams& p, DType dtype, TaskPool* pool) {
   switch (dtype) {

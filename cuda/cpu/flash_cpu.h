@@ -15,11 +15,8 @@ struct BlockSizes {
   int64_t rows_k;  // Bc: key/value rows per block
 };
 
-// Block sizes from an on-chip budget (bytes) and the head dim; see the definition for the rule.
-BlockSizes ComputeBlockSizes(int64_t head_dim, int64_t budget_bytes);
-
-// The budget used on this machine: the L2 cache size (1 MiB when the OS does not report it).
-int64_t CacheBudgetBytes();
+// The tile the kernels use for this head dim (the definition has the measurement behind it).
+BlockSizes ComputeBlockSizes(int64_t head_dim);
 
 // The threads the kernels may use, e.g. XLA's intra-op pool. The calling thread always works too, and a
 // scheduled task that starts after all work is taken returns at once, so a pool that runs tasks late, inline

@@ -107,7 +107,7 @@ NB_MODULE(_jaxflash_cpu, m) {
     return d;
   });
   m.def("block_sizes", [](int64_t head_dim) {
-    auto bs = jaxflash::cpu::ComputeBlockSizes(head_dim, jaxflash::cpu::CacheBudgetBytes());
+    auto bs = jaxflash::cpu::ComputeBlockSizes(head_dim);
     return nb::make_tuple(bs.rows_q, bs.rows_k);
   }, "(Br, Bc) the CPU kernel uses for this head dim.");
   m.def("philox4x32_10", [](uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
