@@ -44,11 +44,16 @@ const Kernels& Isa() {
     const char* want = std::getenv("JAXFLASH_CPU_KERNELS");
     const bool low = want != nullptr && std::strcmp(want, "generic") == 0;
     const bool avx2_only = want != nullptr && std::strcmp(want, "avx2") == 0;
+#if defined(JAXFLASH_CPU_X86)  // the AVX tables are built on x86-64 only (CMakeLists.txt)
     __builtin_cpu_init();
     if (!low && !avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
       return KernelsAvx512();
     if (!low && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return KernelsAvx2();
+#else
+    (void)low;
+    (void)avx2_only;
+#endif
     return KernelsGeneric();
   }();
   return table;
