@@ -1,6 +1,6 @@
-// The portable kernel table (SSE2 on any x86-64 CPU; GCC vector extensions elsewhere): 4 floats a vector and 16 vector registers, so a register
-// block of 4 rows x 8 columns; no FMA instruction, a multiply and an add. Tile-size products: 16-23
-// GFLOP/s on one core of the busy CI machine.
+// The portable kernel table (SSE2 on any x86-64 CPU; GCC vector extensions elsewhere): 4 floats a vector
+// and 16 vector registers, so a register block of 4 rows x 8 columns; no FMA instruction, a multiply and an
+// add. Tile-size products: 16-23 GFLOP/s on one core of the busy CI machine.
 #include "kernels.h"
 
 namespace jaxflash::cpu {
