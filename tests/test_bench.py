@@ -1,4 +1,5 @@
-"""`python -m jaxflash.bench` on the CPU: a tiny sweep, its files, and the check that refuses a wrong kernel."""
+"""`python -m jaxflash.bench` on the CPU: a tiny sweep against XLA's attention, its files, the interleaved timing,
+the CPU targets, and the check that refuses a wrong kernel."""
 import argparse
 import csv
 import json
@@ -37,21 +38,23 @@ def test_cpu_sweep_writes_csv_json_png(tmp_path, capsys):
     with open(tmp_path / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert {(r["impl"], r["pass_"], r["causal"], r["s"]) for r in rows} == {
-        (i, p, c, s) for i in ("jaxflash", "reference") for p in ("fwd", "fwdbwd") for c in "01" for s in ("64", "128")}
+        (i, p, c, s) for i in ("jaxflash", "xla") for p in ("fwd", "fwdbwd") for c in "01" for s in ("64", "128")}
     for r in rows:
-        assert r["status"] == "ok" and float(r["check_err"]) < 1e-3
+        assert r["status"] == "ok" and float(r["check_err"]) < 1e-3 and r["method"] == "wall-interleaved"
+        assert r["target"] == ""  # the CPU targets are for B=1, H=4 (this run has H=2)
         ms, tflops, s = float(r["ms"]), float(r["tflops"]), int(r["s"])
         flop = 4 * 1 * 2 * s * s * 32 * (0.5 if r["causal"] == "1" else 1) * (3.5 if r["pass_"] == "fwdbwd" else 1)
         assert ms > 0 and math.isclose(tflops * ms * 1e9, flop, rel_tol=1e-6)
         assert float(r["peak_mb"]) > 0
     by = {(r["impl"], r["pass_"], r["causal"], r["s"]): r for r in rows}
     for (impl, p, c, s), r in by.items():
-        if impl == "jaxflash":  # speedup and memory saved are against the reference row of the same config
-            ref = by[("reference", p, c, s)]
+        if impl == "jaxflash":  # speedup and memory saved are against XLA's row of the same config
+            ref = by[("xla", p, c, s)]
+            assert r["vs"] == "xla"
             assert math.isclose(float(r["speedup"]), float(ref["ms"]) / float(r["ms"]), rel_tol=1e-6)
             assert math.isclose(float(r["mem_saved"]), float(ref["peak_mb"]) / float(r["peak_mb"]), rel_tol=1e-6)
-    # The materialised S x S scores show in the reference's memory, not in the kernel's.
-    ref, flash = by[("reference", "fwd", "0", "128")], by[("jaxflash", "fwd", "0", "128")]
+    # The materialised S x S scores show in XLA's memory, not in the kernel's.
+    ref, flash = by[("xla", "fwd", "0", "128")], by[("jaxflash", "fwd", "0", "128")]
     assert float(ref["peak_mb"]) > float(flash["peak_mb"])
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["meta"]["backend"] == "cpu" and len(doc["rows"]) == len(rows)
@@ -71,7 +74,7 @@ def test_a_wrong_implementation_is_caught_and_not_timed(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "CHECK FAILED" in captured.out and "WRONG" in captured.err
     assert "RESULT suite=sweep case=full impl=jaxflash" not in captured.out
-    assert "RESULT suite=sweep case=full impl=reference" in captured.out
+    assert "RESULT suite=sweep case=full impl=xla" in captured.out
 
 
 def test_a_wrong_gradient_is_caught(monkeypatch, capsys):
@@ -114,11 +117,74 @@ def test_not_implemented_shows_as_na(monkeypatch, capsys):
     assert len(lines) == 2 and "n/a" not in lines[0] and lines[1].endswith("n/a (not implemented)")
 
 
-def _gpu_plan(**kw):
+def _plan(gpu, **kw):
     args = argparse.Namespace(suite="sweep", impls=None, quick=False, head_dims=None, seqlens=None,
                               passes=["fwd"], batch=None, heads=None)
     vars(args).update(kw)
-    return bench.plan(args, gpu=True)
+    return bench.plan(args, gpu=gpu)
+
+
+def _gpu_plan(**kw):
+    return _plan(True, **kw)
+
+
+def test_cpu_default_sweep_is_jaxflash_against_xla_over_the_issue_grid():
+    jobs = _plan(False, passes=list(bench.PASSES))
+    assert {(j.pass_, j.d, j.s, j.case.label) for j in jobs} == {
+        (p, d, s, c) for p in bench.PASSES for d in (64, 128) for s in (256, 1024, 2048, 4096)
+        for c in ("full", "causal")}
+    assert all(j.impls == ["jaxflash", "xla"] and j.base_impl == "xla" and (j.b, j.hq, j.hkv) == (1, 4, 4)
+               for j in jobs)
+    # The reference stays available; asked for without xla, it is the baseline.
+    jobs = _plan(False, impls=["jaxflash", "reference"], seqlens=[256])
+    assert jobs and all(j.base_impl == "reference" for j in jobs)
+    assert all(j.base_impl == "xla" for j in _plan(False, impls=["jaxflash", "reference", "xla"], seqlens=[256]))
+
+
+def test_cpu_timing_is_round_robin_with_a_rotating_first_call(monkeypatch):
+    calls, clock = [], [0.0]
+
+    def impl(i):  # a call of implementation i takes i + 1 ms on the fake clock
+        def f(x):
+            calls.append(i)
+            clock[0] += (i + 1) * 1e-3
+            return x
+        return f
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    ms = bench.interleaved_ms([impl(0), impl(1), impl(2)], (jnp.zeros(1),), 3)
+    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1]  # one call of each per round, the first rotating
+    assert ms == pytest.approx([1.0, 2.0, 3.0])  # the median per implementation
+
+
+def _row(s, speedup, hq=4, impl="jaxflash", dtype="float32"):
+    return dict(suite="sweep", case="full", impl=impl, pass_="fwd", d=64, s=s, b=1, hq=hq, hkv=hq, dtype=dtype,
+                status="ok", ms=1.0 / speedup, peak_mb=1.0, tflops=1.0)
+
+
+@pytest.mark.parametrize("s, speedup, hq, dtype, want", [
+    (1024, 1.6, 4, "float32", ">= 1.5x: met"),
+    (4096, 1.2, 4, "float32", ">= 1.5x: short 20.0%"),
+    (256, 1.0, 4, "float32", ">= 1x: met"),
+    (256, 0.9, 4, "float32", ">= 1x: short 10.0%"),
+    (128, 2.0, 4, "float32", ""),  # no target below S=256
+    (1024, 2.0, 2, "float32", ""),  # the targets are for H=4
+    (1024, 2.0, 4, "bfloat16", ""),
+], ids=lambda p: f"{p}")
+def test_cpu_targets_are_speedups_over_xla(s, speedup, hq, dtype, want):
+    flash, xla = _row(s, speedup, hq, dtype=dtype), _row(s, 1.0, hq, "xla", dtype)
+    job = bench.Job("sweep", bench.FULL, "fwd", 1, hq, hq, s, 64, ["jaxflash", "xla"], base_impl="xla")
+    bench._compare([flash, xla], [job], cpu=True)
+    assert math.isclose(flash["speedup"], speedup) and flash["vs"] == "xla"
+    assert flash["target"] == want and xla["target"] == ""
+
+
+def test_cpu_run_prints_the_targets_vs_xla(capsys):
+    assert bench.main(["--seqlens", "256", "--head-dims", "32", "--passes", "fwd", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("sweep ") and " jaxflash " in x]
+    assert len(lines) == 2 and all(" xla " in x and ">= 1x: " in x for x in lines)
+    assert "CPU targets (speedup over XLA): " in out and " of 2 met" in out
 
 
 def test_gqa_rows_leave_out_an_implementation_without_gqa(monkeypatch):
