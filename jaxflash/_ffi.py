@@ -95,13 +95,9 @@ def fwd(q, k, v, operands, cfg):
 
 
 def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
-    """(do, q, k, v, o, lse, dlse, the operands of fwd) -> (dq, dk, dv); dlse is the cotangent of lse."""
-    return bwd_all(do, q, k, v, o, lse, dlse, operands, cfg)[:3]
-
-
-def bwd_all(do, q, k, v, o, lse, dlse, operands, cfg):
-    """`bwd` with the kernel's fp32 workspaces, extra outputs owned by XLA: (dq, dk, dv, dq accumulator,
-    rowsum(dO * O) - dlse)."""
+    """(do, q, k, v, o, lse, dlse, the operands of fwd) -> (dq, dk, dv, dq accumulator, rowsum(dO * O) - dlse);
+    dlse is the cotangent of lse. The last two are the kernel's fp32 workspaces, outputs owned by XLA, returned
+    so that the partitioning rule can name every result (callers keep the first three)."""
     out_types = (_typeof(q), _typeof(k), _typeof(v), _f32_like(q), _stat_type(q))
     call = jax.ffi.ffi_call("jaxflash_bwd", out_types, vmap_method="broadcast_all")
     return tuple(call(do, q, k, v, o, lse, dlse, *operands, **_attrs(cfg)))

@@ -31,7 +31,7 @@ def fwd(q, k, v, operands, cfg):
 
 
 def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
-    """`_ffi.bwd`, partitioned: (dq, dk, dv)."""
+    """`_ffi.bwd`, partitioned: (dq, dk, dv); the workspaces are dropped."""
     return _vmappable("bwd", cfg)(do, q, k, v, o, lse, dlse, *operands)
 
 
@@ -86,7 +86,7 @@ def _call(kind, cfg, *arrays):
         q, k, v, *operands = arrays
         return tuple(_ffi.fwd(q, k, v, operands, cfg))
     do, q, k, v, o, lse, dlse, *operands = arrays
-    return _ffi.bwd_all(do, q, k, v, o, lse, dlse, operands, cfg)
+    return _ffi.bwd(do, q, k, v, o, lse, dlse, operands, cfg)
 
 
 @functools.lru_cache(maxsize=None)
