@@ -1,12 +1,12 @@
 # Generates, from the configuration list (cuda/configs.txt), one CUDA translation unit per (family, pass,
 # dtype, head dim) that instantiates that family's launcher, and dispatch.cc: the list as a C++ array and the
 # one switch from a runtime (family, dtype, head dim) to its instantiation, per pass. Files are rewritten
-# only when their content changes, so an unchanged list recompiles nothing.
-function(jaxflash_generate_configs list_file out_dir sources_var dispatch_var)
+# only when their content changes, so an unchanged list recompiles nothing. The units of family F are
+# returned in <sources_prefix>_F; families not in `enabled_families` (a list) are left out altogether.
+function(jaxflash_generate_configs list_file out_dir enabled_families sources_prefix dispatch_var)
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${list_file})
   file(STRINGS ${list_file} lines REGEX "^[ \t]*[^# \t]")
   set(families "")
-  set(sources "")
   set(array "")
   set(count 0)
   set(cases_fwd "")
@@ -18,6 +18,9 @@ function(jaxflash_generate_configs list_file out_dir sources_var dispatch_var)
        OR fields STREQUAL "")
       message(FATAL_ERROR "jaxflash: ${list_file}: expected 'family pass dtype head_dim...' with family sm80|sm90, "
                           "pass fwd|bwd, dtype bfloat16|float16; got '${line}'")
+    endif()
+    if(NOT family IN_LIST enabled_families)
+      continue()
     endif()
     list(APPEND families ${family})
     string(TOUPPER "${family}" fam_upper)
@@ -46,7 +49,7 @@ function(jaxflash_generate_configs list_file out_dir sources_var dispatch_var)
 template cudaError_t jaxflash::${family}::run_${pass}<jaxflash::${dtype_enum}, ${d}>(
     const jaxflash::${params}&, cudaStream_t, int);
 ")
-      list(APPEND sources ${tu})
+      list(APPEND sources_${family} ${tu})
       string(APPEND array "    {Family::${fam_enum}, ${pass_enum}, ${dtype_enum}, ${d}},\n")
       string(APPEND cases_${pass}
         "    case key(Family::${fam_enum}, ${dtype_enum}, ${d}): return ${family}::run_${pass}<${dtype_enum}, ${d}>(p, stream, device);\n")
@@ -89,6 +92,8 @@ ${cases_bwd}    default: return cudaErrorNotSupported;
 
 }  // namespace jaxflash
 ")
-  set(${sources_var} ${sources} PARENT_SCOPE)
+  foreach(family IN LISTS families)
+    set(${sources_prefix}_${family} ${sources_${family}} PARENT_SCOPE)
+  endforeach()
   set(${dispatch_var} ${dispatch} PARENT_SCOPE)
 endfunction()

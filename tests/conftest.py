@@ -34,6 +34,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The GPU tests run once per CUDA kernel family: "auto" lets the handler pick (the sm90 kernels on a Hopper
+# GPU for the configurations they have), "sm80" forces the mma.sync kernels, so one H200 tests both.
+# JAXFLASH_TEST_FAMILIES narrows the list (e.g. "auto" for a quick run).
+CUDA_FAMILIES = os.environ.get("JAXFLASH_TEST_FAMILIES", "auto sm80").split()
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("gpu") is not None:
+        metafunc.fixturenames.append("cuda_family")
+        metafunc.parametrize("cuda_family", CUDA_FAMILIES, indirect=True)
+
+
+@pytest.fixture
+def cuda_family(request, monkeypatch):
+    """The kernel family a GPU test runs on (the handler reads JAXFLASH_CUDA_KERNELS at every call)."""
+    monkeypatch.setenv("JAXFLASH_CUDA_KERNELS", request.param)
+    return request.param
+
+
 def stable_seed(*parts) -> int:
     """The seed of one test case, the same in every process, so a failure replays: crc32 of the parts' text
     (hash() of a string is salted per process)."""

@@ -1,7 +1,7 @@
 // Online softmax state of one thread's query rows, kept in registers (FlashAttention-2, Algorithm 1).
 //
-// The score tile S = Q·Kᵀ arrives as an mma.sync m16n8k16 accumulator: a thread holds, per 16x8 atom,
-// rows {r, r+8} x columns {c, c+1}. The four threads of a quad (lanes 4k..4k+3) share rows, so a row
+// The score tile S = Q·Kᵀ arrives as an mma.sync m16n8k16 or a wgmma accumulator: a thread holds, per 16x8
+// atom, rows {r, r+8} x columns {c, c+1}. The four threads of a quad (lanes 4k..4k+3) share rows, so a row
 // reduction is a reduction over the thread's own columns plus two xor-shuffles.
 //
 // Numerics: p = exp2(s·scale·log2(e) − m·scale·log2(e)) is one FFMA and one MUFU.EX2 per score. The row
@@ -17,13 +17,21 @@
 
 namespace jaxflash {
 
-// ((2 cols, 2 row halves), MMA_M, MMA_N) accumulator -> ((2 row halves, MMA_M) rows, (2 cols, MMA_N) cols).
+// Accumulator -> ((row halves, MMA_M) rows, (cols, MMA_N) cols). mma.sync: ((2 cols, 2 row halves), MMA_M,
+// MMA_N). wgmma 64xN: ((2 cols, 2 row halves, N/8 column groups), MMA_M, MMA_N); per warp the same
+// rows x columns pattern as mma.sync, repeated across the N/8 groups.
 template <class Layout>
 __forceinline__ __device__ auto rowcol_layout(Layout const& acc) {
   static_assert(decltype(cute::rank(acc))::value == 3);
-  auto l = cute::logical_divide(acc, cute::Shape<cute::_2>{});
-  return cute::make_layout(cute::make_layout(cute::get<0, 1>(l), cute::get<1>(l)),
-                           cute::make_layout(cute::get<0, 0>(l), cute::get<2>(l)));
+  if constexpr (decltype(cute::rank<0>(acc))::value == 3) {
+    auto v = cute::get<0>(acc);
+    return cute::make_layout(cute::make_layout(cute::get<1>(v), cute::get<1>(acc)),
+                             cute::make_layout(cute::make_layout(cute::get<0>(v), cute::get<2>(v)), cute::get<2>(acc)));
+  } else {
+    auto l = cute::logical_divide(acc, cute::Shape<cute::_2>{});
+    return cute::make_layout(cute::make_layout(cute::get<0, 1>(l), cute::get<1>(l)),
+                             cute::make_layout(cute::get<0, 0>(l), cute::get<2>(l)));
+  }
 }
 
 template <class Tensor>
@@ -48,8 +56,17 @@ struct OnlineSoftmax {
   // output accumulator `o` (rowcol view) by exp(m_old − m_new) and overwrites `s` with exp(s − m_new).
   template <class TS, class TO>
   __forceinline__ __device__ void update(TS& s, TO& o, float scale_log2) {
-    static_assert(decltype(cute::size<0>(s))::value == kNRows);
     float correction[kNRows];
+    const bool moved = update_max(s, scale_log2, correction);
+    rescale(o, correction, moved);
+    exponentiate(s, scale_log2);
+  }
+
+  // The three steps of update, for kernels that rescale O later (while P·V of the previous block is still
+  // running): the new maxima and the factors O needs (returns whether any row's max moved), ...
+  template <class TS>
+  __forceinline__ __device__ bool update_max(TS const& s, float scale_log2, float (&correction)[kNRows]) {
+    static_assert(decltype(cute::size<0>(s))::value == kNRows);
     bool max_moved = false;
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
@@ -64,8 +81,13 @@ struct OnlineSoftmax {
       row_max[r] = m;
       row_sum[r] *= correction[r];
     }
-    // Once the row maxima settle (after the first blocks, on most data) every correction is exactly 1:
-    // skip the Br·d multiplies of O then. The vote keeps the branch uniform across the warp.
+    return max_moved;
+  }
+
+  // ... O scaled by those factors: once the row maxima settle (after the first blocks, on most data) every
+  // factor is exactly 1 and the Br·d multiplies are skipped. The vote keeps the branch uniform in the warp ...
+  template <class TO>
+  __forceinline__ __device__ void rescale(TO& o, const float (&correction)[kNRows], bool max_moved) {
     if (__any_sync(0xffffffffu, max_moved)) {
 #pragma unroll
       for (int r = 0; r < kNRows; ++r) {
@@ -73,6 +95,11 @@ struct OnlineSoftmax {
         for (int c = 0; c < cute::size<1>(o); ++c) o(r, c) *= correction[r];
       }
     }
+  }
+
+  // ... and s -> exp(s − m_new), added to the row sums.
+  template <class TS>
+  __forceinline__ __device__ void exponentiate(TS& s, float scale_log2) {
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
       const float m_safe = row_max[r] == -INFINITY ? 0.f : row_max[r];

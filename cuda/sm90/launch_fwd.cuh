@@ -1,0 +1,55 @@
+// sm90::run_fwd<dtype, head_dim>: TMA descriptors, grid, shared-memory opt-in and the launch. Included only
+// by the generated instantiation units.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fwd_kernel.cuh"
+#include "launch.h"
+#include "launch_utils.cuh"
+
+namespace jaxflash::sm90 {
+
+// (row, d, head, batch) view of a [batch, rows, heads, d] tensor. The descriptor embeds the data pointer, so
+// it is rebuilt at every call (host-only work: no device memory, no stream operation).
+template <class Tr, class SmemLayout, class Tile>
+auto make_tma(const void* ptr, int64_t rows, int64_t heads, int64_t batch, SmemLayout smem_layout, Tile tile) {
+  using T = typename Tr::Element;
+  constexpr int kD = Tr::kHeadDim;
+  auto shape = typename Tr::GmemShape{int32_t(rows), Int<kD>{}, int32_t(heads), int32_t(batch)};
+  auto stride = typename Tr::GmemStride{heads * kD, _1{}, int64_t(kD), rows * heads * kD};
+  return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)), shape, stride),
+                       smem_layout, tile, _1{});
+}
+
+template <class Tr, bool kExtras>
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device) {
+  constexpr auto kKernel = &flash_fwd_kernel<Tr, kExtras>;
+  constexpr int kSmemBytes = int(sizeof(FwdSharedStorage<Tr>));
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
+  if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
+  const AttnDims& d = p.dims;
+  const int64_t m_blocks = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  const int64_t grid = m_blocks * d.batch * d.heads_q;
+  if (!grid_fits(grid)) return cudaErrorInvalidConfiguration;
+  const auto kv_layout = take<0, 2>(typename Tr::SmemLayoutKV{});
+  const FwdKernelParams<Tr> kp{
+      p,
+      make_tma<Tr>(p.q, d.seqlen_q, d.heads_q, d.batch, typename Tr::SmemLayoutQ{}, typename Tr::TileQ{}),
+      make_tma<Tr>(p.k, d.seqlen_k, d.heads_k, d.batch, kv_layout, typename Tr::TileKV{}),
+      make_tma<Tr>(p.v, d.seqlen_k, d.heads_k, d.batch, kv_layout, typename Tr::TileKV{}),
+  };
+  kKernel<<<dim3(unsigned(grid)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
+  return cudaPeekAtLastError();
+}
+
+template <DType kDType, int kHeadDim>
+cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream, int device) {
+  using Tr = FwdTraits<ElementOf<kDType>, kHeadDim>;
+  return needs_extras(params) ? launch_fwd<Tr, true>(params, stream, device)
+                              : launch_fwd<Tr, false>(params, stream, device);
+}
+
+}  // namespace jaxflash::sm90
