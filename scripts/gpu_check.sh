@@ -12,6 +12,8 @@
 #      each with --out $LOG/bench_S (CSV, JSON, PNG); BENCH_ARGS passes further options to every suite.
 # Full logs go to $OUT (or a temporary folder); the last lines printed are the verdict table, and the script
 # exits 1 when any step failed (0 only when every step that ran passed).
+# Steps 2 and 3 run once per kernel family of JAXFLASH_TEST_FAMILIES (default "auto sm80": on a Hopper GPU "auto"
+# is the sm90 family where it has the configuration, "sm80" forces the mma.sync kernels).
 # Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BUILD=1, SKIP_SANITIZER=1,
 # SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_PATHS (test files or folders relative to the repo, default
 # "tests"), PYTEST_ARGS (default "-n 8" when pytest-xdist is installed; "-n 16"
@@ -93,16 +95,19 @@ for kw in [dict(window=(40, 3), q_lengths=jnp.array([150, 70]), kv_lengths=jnp.a
         assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in (o, *vjp(jnp.ones_like(q))))
 print("small forward and backward cases ran")
 PYEOF
-for tool in memcheck racecheck; do
-  [ "${SKIP_SANITIZER:-0}" = 1 ] && break
-  echo "== compute-sanitizer --tool $tool"
-  if timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=flash_ "$PY" \
-      /tmp/jaxflash_small.py >"$LOG/sanitizer_$tool.log" 2>&1; then
-    verdict "sanitizer $tool" "ok: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_$tool.log" | tail -1)"
-  else
-    tail -20 "$LOG/sanitizer_$tool.log"
-    verdict "sanitizer $tool" "FAIL: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_$tool.log" | tail -1)"
-  fi
+# Each kernel family (JAXFLASH_TEST_FAMILIES, as for pytest): "auto" runs the sm90 kernels on a Hopper GPU.
+for family in ${JAXFLASH_TEST_FAMILIES:-auto sm80}; do
+  for tool in memcheck racecheck; do
+    [ "${SKIP_SANITIZER:-0}" = 1 ] && break
+    echo "== compute-sanitizer --tool $tool ($family)"
+    if JAXFLASH_CUDA_KERNELS=$family timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        --kernel-name kns=flash_ "$PY" /tmp/jaxflash_small.py >"$LOG/sanitizer_${tool}_$family.log" 2>&1; then
+      verdict "sanitizer $tool $family" "ok: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${tool}_$family.log" | tail -1)"
+    else
+      tail -20 "$LOG/sanitizer_${tool}_$family.log"
+      verdict "sanitizer $tool $family" "FAIL: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${tool}_$family.log" | tail -1)"
+    fi
+  done
 done
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
