@@ -52,11 +52,12 @@ struct FwdSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> k;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> v;
-  uint64_t q_full;
+  uint64_t q_full, q_empty;  // Q is reloaded per tile once both consumers are past their last Q·Kᵀ
   uint64_t k_full[Tr::kStages], k_empty[Tr::kStages];
   uint64_t v_full[Tr::kStages], v_empty[Tr::kStages];
   uint64_t v_partial;  // the partial V block lands here first, to be cleaned before v_full
   int scratch[4];      // narrow_by_ids
+  int64_t first_keys[2];  // the first tile's key range after narrowing by segment ids
 };
 
 // One batch of wgmmas: acc (+)= A·B over the K mode, issued and committed but not waited for.
@@ -92,6 +93,45 @@ __forceinline__ __device__ void convert_into(TensorF const& from, TensorT& to) {
       convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(from.data())));
 }
 
+// One work tile: kBlockM query rows of one (batch, head) and the K/V blocks they can see.
+struct FwdTile {
+  int64_t m_block, head, batch, head_k;
+  int64_t m0, m_end;
+  int64_t key_begin, key_end;  // visible keys; narrowed by segment ids before the roles split
+  BatchMask bm;
+  int n_block_min, n_block_max;
+
+  __device__ int n_iters() const { return n_block_max - n_block_min; }
+};
+
+// Tiles are numbered with the m-blocks of one (batch, head) adjacent (they share K/V in L2) and the
+// heaviest causal block of each first, so the light ones fill the end of the grid.
+template <int kM, int kN>
+__device__ FwdTile fwd_tile(const FwdParams& p, int64_t tile) {
+  const AttnDims& d = p.dims;
+  const int64_t num_m_blocks = (d.seqlen_q + kM - 1) / kM;
+  FwdTile t;
+  t.m_block = num_m_blocks - 1 - tile % num_m_blocks;
+  const int64_t bh = tile / num_m_blocks;
+  t.head = bh % d.heads_q;
+  t.batch = bh / d.heads_q;
+  t.head_k = t.head / (d.heads_q / d.heads_k);
+  t.m0 = t.m_block * kM;
+  t.m_end = cute::min(t.m0 + int64_t(kM), d.seqlen_q);
+  t.bm = batch_mask(p.mask, t.batch, d.seqlen_q, d.seqlen_k);
+  visible_key_range(t.bm, t.m0, t.m_end, &t.key_begin, &t.key_end);
+  return t;
+}
+
+__device__ inline void set_block_range(FwdTile& t, int kN) {
+  t.n_block_min = int(t.key_begin / kN);
+  t.n_block_max = t.key_end > t.key_begin ? int((t.key_end + kN - 1) / kN) : t.n_block_min;
+}
+
+// Persistent when the grid is smaller than the number of tiles: block b takes tiles b, b + grid, ...; the
+// producer then loads the next tile's Q and K while the consumers finish the current one. Segment ids narrow
+// a tile's key range with the whole block's help before the roles split, so with them the launcher gives
+// every tile its own block.
 template <class Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdKernelParams<Tr> kp) {
   using T = typename Tr::Element;
@@ -103,21 +143,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   const AttnDims& dims = p.dims;
   const int tid = threadIdx.x;
   const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
-
   const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
-  const int64_t num_m_blocks = (seqlen_q + kM - 1) / kM;
-  // The heaviest causal block of each head first (as in the sm80 kernel).
-  const int64_t m_block = num_m_blocks - 1 - int64_t(blockIdx.x) % num_m_blocks;
-  const int64_t bh = int64_t(blockIdx.x) / num_m_blocks;
-  const int64_t head = bh % dims.heads_q, batch = bh / dims.heads_q;
-  const int64_t head_k = head / (dims.heads_q / dims.heads_k);
-  const int64_t m0 = m_block * kM, m_end = cute::min(m0 + int64_t(kM), seqlen_q);
+  const int64_t num_tiles = (seqlen_q + kM - 1) / kM * dims.heads_q * dims.batch;
   const int64_t q_row_stride = dims.heads_q * kD;
-  float* lse_row = p.lse + (batch * dims.heads_q + head) * seqlen_q + m0;
-  T* o_base = static_cast<T*>(p.o) + batch * seqlen_q * q_row_stride + head * kD;
 
   if (tid == 0) {
     ClusterTransactionBarrier::init(&ss.q_full, 1);
+    ClusterBarrier::init(&ss.q_empty, Tr::kMmaWarpGroups);
     ClusterTransactionBarrier::init(&ss.v_partial, 1);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
@@ -127,24 +159,27 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       ClusterBarrier::init(&ss.v_empty[s], Tr::kMmaWarpGroups);
     }
   }
-
-  // The visible key range: producer and consumers must agree on it exactly, or a barrier phase drifts.
-  const BatchMask bm = batch_mask(p.mask, batch, seqlen_q, seqlen_k);
-  const int64_t m_valid_end = cute::min(m_end, bm.q_len);
-  int64_t key_begin, key_end;
-  visible_key_range(bm, m0, m_end, &key_begin, &key_end);
-  const bool segments = kExtras && bm.q_seg != nullptr;
-  if (segments && key_begin < key_end)
-    narrow_by_ids<Tr::kNThreads>(bm.q_seg, m0, m_valid_end, bm.kv_seg, &key_begin, &key_end, ss.scratch);
-  const int n_block_min = int(key_begin / kN);
-  const int n_block_max = key_end > key_begin ? int((key_end + kN - 1) / kN) : n_block_min;
-  const int n_iters = n_block_max - n_block_min;
-
-  if (n_iters <= 0) {  // no row of this block sees any key: O = 0, LSE = −inf
-    for (int64_t e = tid; e < (m_end - m0) * kD; e += Tr::kNThreads) o_base[(m0 + e / kD) * q_row_stride + e % kD] = T(0.f);
-    for (int r = tid; r < m_end - m0; r += Tr::kNThreads) lse_row[r] = -INFINITY;
-    return;
+  // Producer and consumers must agree on every tile's block range exactly, or a barrier phase drifts.
+  const bool segments = kExtras && p.mask.q_segment_ids != nullptr;
+  if (segments) {
+    FwdTile t = fwd_tile<kM, kN>(p, blockIdx.x);
+    if (t.key_begin < t.key_end)
+      narrow_by_ids<Tr::kNThreads>(t.bm.q_seg, t.m0, cute::min(t.m_end, t.bm.q_len), t.bm.kv_seg, &t.key_begin,
+                                   &t.key_end, ss.scratch);
+    if (tid == 0) {
+      ss.first_keys[0] = t.key_begin;
+      ss.first_keys[1] = t.key_end;
+    }
   }
+  auto tile_at = [&](int64_t tile) {
+    FwdTile t = fwd_tile<kM, kN>(p, tile);
+    if (segments && tile == blockIdx.x) {
+      t.key_begin = ss.first_keys[0];
+      t.key_end = ss.first_keys[1];
+    }
+    set_block_range(t, kN);
+    return t;
+  };
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -152,6 +187,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutVt{});
+  // K/V stages and their barrier phases run on across tiles: `it` counts the blocks loaded so far.
+  auto stage_of = [](int it) { return it % kStages; };
+  auto parity_of = [](int it) { return uint32_t((it / kStages) & 1); };
 
   if (warp_group == 0) {
     // ---- producer ----
@@ -164,45 +202,58 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     Tensor mQ = kp.tma_q.get_tma_tensor(gmem_shape(seqlen_q, dims.heads_q));
     Tensor mK = kp.tma_k.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
     Tensor mV = kp.tma_v.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
-    Tensor gQ = local_tile(mQ(_, _, int32_t(head), int32_t(batch)), typename Tr::TileQ{}, make_coord(int32_t(m_block), _0{}));
-    Tensor gK = local_tile(mK(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{}, make_coord(_, _0{}));
-    Tensor gV = local_tile(mV(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{}, make_coord(_, _0{}));
-    auto [tQg, tQs] = tma_partition(kp.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKg, tKs] = tma_partition(kp.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVg, tVs] = tma_partition(kp.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    int it = 0, tiles_done = 0, partials_done = 0;
+    for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const FwdTile t = tile_at(tile);
+      const int n_iters = t.n_iters();
+      if (n_iters <= 0) continue;  // the consumers write zeros; no barrier is touched
+      Tensor gQ = local_tile(mQ(_, _, int32_t(t.head), int32_t(t.batch)), typename Tr::TileQ{},
+                             make_coord(int32_t(t.m_block), _0{}));
+      Tensor gK = local_tile(mK(_, _, int32_t(t.head_k), int32_t(t.batch)), typename Tr::TileKV{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(mV(_, _, int32_t(t.head_k), int32_t(t.batch)), typename Tr::TileKV{}, make_coord(_, _0{}));
+      auto [tQg, tQs] = tma_partition(kp.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKg, tKs] = tma_partition(kp.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(kp.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-    if (lane == 0) {
-      ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, Tr::kQBytes);
-      copy(kp.tma_q.with(ss.q_full), tQg, tQs);
-    }
-    // Rows at or past key_end of the first (highest) block are invisible; inside the tensor they are zeroed.
-    const int partial_rows = int(key_end - int64_t(n_block_max - 1) * kN);
-    const bool clean_partial = partial_rows < kN && key_end < seqlen_k;
-    for (int i = 0; i < n_iters; ++i) {
-      const int n_block = n_block_max - 1 - i, stage = i % kStages;
-      const uint32_t free_parity = ((i / kStages) & 1) ^ 1;  // a fresh barrier counts as released
       if (lane == 0) {
-        ClusterBarrier::wait(&ss.k_empty[stage], free_parity);
-        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.k_full[stage], Tr::kKVBytes);
-        copy(kp.tma_k.with(ss.k_full[stage]), tKg(_, n_block), tKs(_, stage));
-        ClusterBarrier::wait(&ss.v_empty[stage], free_parity);
+        ClusterBarrier::wait(&ss.q_empty, (tiles_done & 1) ^ 1);  // a fresh barrier counts as released
+        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, Tr::kQBytes);
+        copy(kp.tma_q.with(ss.q_full), tQg, tQs);
       }
-      if (i == 0 && clean_partial) {
+      // Rows at or past key_end of the first (highest) block are invisible; inside the tensor they are zeroed.
+      const int partial_rows = int(t.key_end - int64_t(t.n_block_max - 1) * kN);
+      const bool clean_partial = partial_rows < kN && t.key_end < seqlen_k;
+      for (int i = 0; i < n_iters; ++i, ++it) {
+        const int n_block = t.n_block_max - 1 - i, stage = stage_of(it);
+        const uint32_t free_parity = parity_of(it) ^ 1;
         if (lane == 0) {
-          ClusterTransactionBarrier::arrive_and_expect_tx(&ss.v_partial, Tr::kKVBytes);
-          copy(kp.tma_v.with(ss.v_partial), tVg(_, n_block), tVs(_, stage));
+          ClusterBarrier::wait(&ss.k_empty[stage], free_parity);
+          ClusterTransactionBarrier::arrive_and_expect_tx(&ss.k_full[stage], Tr::kKVBytes);
+          copy(kp.tma_k.with(ss.k_full[stage]), tKg(_, n_block), tKs(_, stage));
+          ClusterBarrier::wait(&ss.v_empty[stage], free_parity);
         }
-        __syncwarp();
-        ClusterBarrier::wait(&ss.v_partial, 0);
-        Tensor v = sV(_, _, stage);
-        for (int e = lane; e < (kN - partial_rows) * kD; e += 32) v(partial_rows + e / kD, e % kD) = T(0.f);
-        cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by wgmma
-        __syncwarp();
-        if (lane == 0) ClusterBarrier::arrive(&ss.v_full[stage]);
-      } else if (lane == 0) {
-        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.v_full[stage], Tr::kKVBytes);
-        copy(kp.tma_v.with(ss.v_full[stage]), tVg(_, n_block), tVs(_, stage));
+        if (i == 0 && clean_partial) {
+          if (lane == 0) {
+            ClusterTransactionBarrier::arrive_and_expect_tx(&ss.v_partial, Tr::kKVBytes);
+            copy(kp.tma_v.with(ss.v_partial), tVg(_, n_block), tVs(_, stage));
+          }
+          __syncwarp();
+          ClusterBarrier::wait(&ss.v_partial, partials_done++ & 1);
+          Tensor v = sV(_, _, stage);
+          // 16-byte chunks: the swizzle moves whole chunks, so each stays contiguous.
+          constexpr int kChunksPerRow = kD * int(sizeof(T)) / 16;
+          for (int c = lane; c < (kN - partial_rows) * kChunksPerRow; c += 32)
+            *reinterpret_cast<uint4*>(&v(partial_rows + c / kChunksPerRow, (c % kChunksPerRow) * (16 / sizeof(T)))) =
+                make_uint4(0, 0, 0, 0);
+          cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by wgmma
+          __syncwarp();
+          if (lane == 0) ClusterBarrier::arrive(&ss.v_full[stage]);
+        } else if (lane == 0) {
+          ClusterTransactionBarrier::arrive_and_expect_tx(&ss.v_full[stage], Tr::kKVBytes);
+          copy(kp.tma_v.with(ss.v_full[stage]), tVg(_, n_block), tVs(_, stage));
+        }
       }
+      ++tiles_done;
     }
     return;
   }
@@ -213,10 +264,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   const int wg = warp_group - 1;  // 0 or 1
   const bool releaser = mma_tid % 128 == 0;
   // Pingpong: each consumer waits on its own named barrier before issuing a GEMM batch and signals the
-  // other's right after; consumer 0 goes first.
+  // other's right after; consumer 0 goes first in every tile.
   auto sched_wait = [&] { NamedBarrier::sync(Tr::kMmaThreads, wg); };
   auto sched_signal = [&] { NamedBarrier::arrive(Tr::kMmaThreads, 1 - wg); };
-  if (wg == 1) sched_signal();
 
   typename Tr::TiledMmaQK mma_qk;
   typename Tr::TiledMmaPV mma_pv;
@@ -229,109 +279,127 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   Tensor acc_o = partition_fragment_C(mma_pv, typename Tr::TileQ{});
   Tensor rP = make_tensor<T>(acc_s.layout());
   Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-  clear(acc_o);
   Tensor c_rc = rowcol(thr_qk.partition_C(make_identity_tensor(typename Tr::TileS{})));  // (row, col) in the tile
+  Tensor oc_rc = rowcol(thr_pv.partition_C(make_identity_tensor(typename Tr::TileQ{})));
   Tensor s_rc = rowcol(acc_s);
   Tensor o_rc = rowcol(acc_o);
+  constexpr int kRows = decltype(size<0>(s_rc))::value;
 
   const float softcap = kExtras ? p.softcap : 0.f;
   const float score_scale = softcap > 0.f ? 1.f : p.scale;
   const float scale_log2 = score_scale * 1.4426950408889634f;
   const bool dropout = kExtras && p.dropout.rate > 0.f;
-  const DropoutDraw draw = dropout ? dropout_draw(p.dropout, batch) : DropoutDraw{};
-  constexpr int kRows = decltype(size<0>(s_rc))::value;
-  OnlineSoftmax<kRows> softmax;
-  float correction[kRows];
-
-  auto block_needs_mask = [&](int i) {
-    const int64_t n0 = int64_t(n_block_max - 1 - i) * kN;
-    return segments || n0 + kN > bm.kv_len || m_end > bm.q_len ||
-           !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN);
+  auto release = [&](uint64_t* bars, int it) {
+    if (releaser) ClusterBarrier::arrive(&bars[stage_of(it)]);
   };
-  // S_i (raw Q·Kᵀ, landed) -> unnormalised probabilities in s_rc; returns whether a row max moved.
-  auto scores_to_probs = [&](int i, auto masked) __attribute__((always_inline)) {
-    const int64_t n0 = int64_t(n_block_max - 1 - i) * kN;
-    if (softcap > 0.f) softcap_scores(acc_s, p.scale, softcap);
-    if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, bm, m0, n0);
-    const bool moved = softmax.update_max(s_rc, scale_log2, correction);
-    softmax.exponentiate(s_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
-    if (dropout) {
-      for_each_keep(c_rc, draw, uint32_t(head), m0, n0, [&](int r, int c, bool keep) {
-        if (!keep) s_rc(r, c) = 0.f;
-      });
+
+  int it = 0, tiles_done = 0;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const FwdTile t = tile_at(tile);
+    const int n_iters = t.n_iters();
+    float* lse_row = p.lse + (t.batch * dims.heads_q + t.head) * seqlen_q + t.m0;
+    T* o_base = static_cast<T*>(p.o) + t.batch * seqlen_q * q_row_stride + t.head * kD;
+    if (n_iters <= 0) {  // no row of this tile sees any key: O = 0, LSE = −inf
+      for (int64_t e = mma_tid; e < (t.m_end - t.m0) * kD; e += Tr::kMmaThreads)
+        o_base[(t.m0 + e / kD) * q_row_stride + e % kD] = T(0.f);
+      for (int r = mma_tid; r < t.m_end - t.m0; r += Tr::kMmaThreads) lse_row[r] = -INFINITY;
+      continue;
     }
-    return moved;
-  };
-  auto stage_parity = [](int i) { return uint32_t((i / kStages) & 1); };
-  auto release = [&](uint64_t* bars, int i) {
-    if (releaser) ClusterBarrier::arrive(&bars[i % kStages]);
-  };
+    const DropoutDraw draw = dropout ? dropout_draw(p.dropout, t.batch) : DropoutDraw{};
+    OnlineSoftmax<kRows> softmax;
+    float correction[kRows];
+    clear(acc_o);
 
-  ClusterTransactionBarrier::wait(&ss.q_full, 0);
-  // Block 0: S_0 alone.
-  ClusterTransactionBarrier::wait(&ss.k_full[0], 0);
-  sched_wait();
-  wgmma</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, 0), acc_s);
-  if (!(wg == 1 && n_iters == 1)) sched_signal();
-  warpgroup_wait<0>();
-  release(ss.k_empty, 0);
-  if (block_needs_mask(0)) {
-    scores_to_probs(0, std::true_type{});
-  } else {
-    scores_to_probs(0, std::false_type{});
-  }
-  convert_into<T>(acc_s, rP);
-
-  // Block i: S_i and P_{i−1}·V_{i−1} in one batch; the softmax of S_i overlaps the P·V.
-  auto iteration = [&](int i, auto masked) __attribute__((always_inline)) {
-    ClusterTransactionBarrier::wait(&ss.k_full[i % kStages], stage_parity(i));
-    sched_wait();
-    wgmma</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, i % kStages), acc_s);
-    ClusterTransactionBarrier::wait(&ss.v_full[(i - 1) % kStages], stage_parity(i - 1));
-    warpgroup_fence_operand(rP);
-    wgmma</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, (i - 1) % kStages), acc_o);
-    if (!(wg == 1 && i == n_iters - 1)) sched_signal();  // consumer 1's last signal would have no taker
-    warpgroup_wait<1>();  // S_i landed; P·V still running
-    release(ss.k_empty, i);
-    const bool moved = scores_to_probs(i, masked);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(rP);
-    release(ss.v_empty, i - 1);
-    softmax.rescale(o_rc, correction, moved);
-    convert_into<T>(acc_s, rP);
-  };
-  for (int i = 1; i < n_iters;) {
-    for (; i < n_iters && block_needs_mask(i); ++i) iteration(i, std::true_type{});
-    for (; i < n_iters && !block_needs_mask(i); ++i) iteration(i, std::false_type{});
-  }
-  // The last P·V alone.
-  {
-    const int i = n_iters;
-    ClusterTransactionBarrier::wait(&ss.v_full[(i - 1) % kStages], stage_parity(i - 1));
-    warpgroup_fence_operand(rP);
-    wgmma</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, (i - 1) % kStages), acc_o);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(rP);
-    release(ss.v_empty, i - 1);
-  }
-
-  // ---- epilogue: normalise and write this thread's rows of O (pairs of columns) and LSE ----
-  float lse[kRows];
-  softmax.finalize(o_rc, score_scale, dropout ? 1.f / (1.f - p.dropout.rate) : 1.f, lse);
-  Tensor oc_rc = rowcol(thr_pv.partition_C(make_identity_tensor(typename Tr::TileQ{})));
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const int row = get<0>(oc_rc(r, 0));
-    if (row < m_end - m0) {
-      T* o_row = o_base + (m0 + row) * q_row_stride;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); c += 2) {
-        cutlass::Array<T, 2> pair;
-        pair[0] = T(o_rc(r, c));
-        pair[1] = T(o_rc(r, c + 1));
-        *reinterpret_cast<cutlass::Array<T, 2>*>(o_row + get<1>(oc_rc(r, c))) = pair;
+    auto block_needs_mask = [&](int i) {
+      const int64_t n0 = int64_t(t.n_block_max - 1 - i) * kN;
+      return segments || n0 + kN > t.bm.kv_len || t.m_end > t.bm.q_len ||
+             !block_fully_visible(p.mask, t.m0, t.m_end, n0, n0 + kN);
+    };
+    // S_i (raw Q·Kᵀ, landed) -> unnormalised probabilities in s_rc; returns whether a row max moved.
+    auto scores_to_probs = [&](int i, auto masked) __attribute__((always_inline)) {
+      const int64_t n0 = int64_t(t.n_block_max - 1 - i) * kN;
+      if (softcap > 0.f) softcap_scores(acc_s, p.scale, softcap);
+      if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, t.bm, t.m0, n0);
+      const bool moved = softmax.update_max(s_rc, scale_log2, correction);
+      softmax.exponentiate(s_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
+      if (dropout) {
+        for_each_keep(c_rc, draw, uint32_t(t.head), t.m0, n0, [&](int r, int c, bool keep) {
+          if (!keep) s_rc(r, c) = 0.f;
+        });
       }
-      if (get<1>(oc_rc(r, 0)) == 0) lse_row[row] = lse[r];
+      return moved;
+    };
+
+    if (wg == 1) sched_signal();
+    ClusterTransactionBarrier::wait(&ss.q_full, tiles_done & 1);
+    // Block 0: S_0 alone.
+    ClusterTransactionBarrier::wait(&ss.k_full[stage_of(it)], parity_of(it));
+    sched_wait();
+    wgmma</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage_of(it)), acc_s);
+    if (!(wg == 1 && n_iters == 1)) sched_signal();  // consumer 1's last signal would have no taker
+    warpgroup_wait<0>();
+    release(ss.k_empty, it);
+    if (block_needs_mask(0)) {
+      scores_to_probs(0, std::true_type{});
+    } else {
+      scores_to_probs(0, std::false_type{});
+    }
+    convert_into<T>(acc_s, rP);
+
+    // Block i: S_i and P_{i−1}·V_{i−1} in one batch; the softmax of S_i overlaps the P·V.
+    auto iteration = [&](int i, auto masked) __attribute__((always_inline)) {
+      const int cur = it + i, prev = it + i - 1;
+      ClusterTransactionBarrier::wait(&ss.k_full[stage_of(cur)], parity_of(cur));
+      sched_wait();
+      wgmma</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage_of(cur)), acc_s);
+      ClusterTransactionBarrier::wait(&ss.v_full[stage_of(prev)], parity_of(prev));
+      warpgroup_fence_operand(rP);
+      wgmma</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, stage_of(prev)), acc_o);
+      if (!(wg == 1 && i == n_iters - 1)) sched_signal();
+      warpgroup_wait<1>();  // S_i landed; P·V still running
+      release(ss.k_empty, cur);
+      const bool moved = scores_to_probs(i, masked);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(rP);
+      release(ss.v_empty, prev);
+      softmax.rescale(o_rc, correction, moved);
+      convert_into<T>(acc_s, rP);
+    };
+    for (int i = 1; i < n_iters;) {
+      for (; i < n_iters && block_needs_mask(i); ++i) iteration(i, std::true_type{});
+      for (; i < n_iters && !block_needs_mask(i); ++i) iteration(i, std::false_type{});
+    }
+    if (releaser) ClusterBarrier::arrive(&ss.q_empty);  // every Q·Kᵀ of this tile has landed
+    // The last P·V alone.
+    {
+      const int last = it + n_iters - 1;
+      ClusterTransactionBarrier::wait(&ss.v_full[stage_of(last)], parity_of(last));
+      warpgroup_fence_operand(rP);
+      wgmma</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, stage_of(last)), acc_o);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(rP);
+      release(ss.v_empty, last);
+    }
+    it += n_iters;
+    ++tiles_done;
+
+    // ---- epilogue: normalise and write this thread's rows of O (pairs of columns) and LSE ----
+    float lse[kRows];
+    softmax.finalize(o_rc, score_scale, dropout ? 1.f / (1.f - p.dropout.rate) : 1.f, lse);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = get<0>(oc_rc(r, 0));
+      if (row < t.m_end - t.m0) {
+        T* o_row = o_base + (t.m0 + row) * q_row_stride;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); c += 2) {
+          cutlass::Array<T, 2> pair;
+          pair[0] = T(o_rc(r, c));
+          pair[1] = T(o_rc(r, c + 1));
+          *reinterpret_cast<cutlass::Array<T, 2>*>(o_row + get<1>(oc_rc(r, c))) = pair;
+        }
+        if (get<1>(oc_rc(r, 0)) == 0) lse_row[row] = lse[r];
+      }
     }
   }
 }

@@ -4,10 +4,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "fwd_kernel.cuh"
 #include "launch.h"
+#include "device_info.h"
 #include "launch_utils.cuh"
 
 namespace jaxflash::sm90 {
@@ -31,9 +33,14 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device) {
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
   if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
   const AttnDims& d = p.dims;
-  const int64_t m_blocks = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t grid = m_blocks * d.batch * d.heads_q;
-  if (!grid_fits(grid)) return cudaErrorInvalidConfiguration;
+  const int64_t tiles = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * d.batch * d.heads_q;
+  if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;
+  // Persistent (one block per SM looping over tiles) when tiles cost alike: no window (causal included),
+  // which would leave blocks of light tiles idle, and no segment ids (the kernel narrows those per block).
+  const bool uniform = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_segment_ids == nullptr;
+  DeviceInfo info;
+  if (cudaError_t err = device_info(device, &info); err != cudaSuccess) return err;
+  const int64_t grid = uniform ? std::min<int64_t>(tiles, info.multiprocessors) : tiles;
   const auto kv_layout = take<0, 2>(typename Tr::SmemLayoutKV{});
   const FwdKernelParams<Tr> kp{
       p,
