@@ -22,19 +22,7 @@
 //      bitwise reproducible, at the price of recomputing Q·Kᵀ and dO·Vᵀ once more.
 #pragma once
 
-#include <cstdint>
-#include <type_traits>
-
-#include <cute/tensor.hpp>
-#include <cutlass/numeric_conversion.h>
-#include <cutlass/numeric_types.h>
-
-#include "mask.h"
-#include "mask_tile.cuh"
-#include "operands.cuh"
-#include "params.h"
-#include "softmax.cuh"  // rowcol
-#include "tile.cuh"
+#include "kernel_common.cuh"
 #include "traits_bwd.cuh"
 
 namespace jaxflash::sm80 {
@@ -265,10 +253,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p, const bool accumulate_dq) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
-  using TileQ = typename Tr::TileQ;
-  using TileKV = typename Tr::TileKV;
-  using TileS = typename Tr::TileS;
-
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const int tid = threadIdx.x;
 
@@ -304,8 +288,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
   Tensor mK = gmem_rows<kD>(static_cast<const T*>(p.k) + k_off, seqlen_k, k_row_stride);
   Tensor mV = gmem_rows<kD>(static_cast<const T*>(p.v) + k_off, seqlen_k, k_row_stride);
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(n_block, 0));
+  Tensor gK = local_tile(mK, typename Tr::TileKV{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(mV, typename Tr::TileKV{}, make_coord(n_block, 0));
 
   T* smem = reinterpret_cast<T*>(smem_raw);
   T* smem_k = smem;
@@ -329,8 +313,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // ---- global -> shared copies ----
   typename Tr::GmemTiledCopy gmem_copy;
   auto gmem_thr_copy = gmem_copy.get_thread_slice(tid);
-  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
-  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(typename Tr::TileKV{}));
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(typename Tr::TileQ{}));
   Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
   Tensor tQsdO = gmem_thr_copy.partition_D(sdO);
 
@@ -349,8 +333,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       const int64_t q_off = q_batch_off + iter_head(it) * kD;
       Tensor mQ = gmem_rows<kD>(static_cast<const T*>(p.q) + q_off, seqlen_q, q_row_stride);
       Tensor mdO = gmem_rows<kD>(static_cast<const T*>(p.dout) + q_off, seqlen_q, q_row_stride);
-      Tensor tQgQ = gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0)));
-      Tensor tQgdO = gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0)));
+      Tensor tQgQ = gmem_thr_copy.partition_S(local_tile(mQ, typename Tr::TileQ{}, make_coord(m_block, 0)));
+      Tensor tQgdO = gmem_thr_copy.partition_S(local_tile(mdO, typename Tr::TileQ{}, make_coord(m_block, 0)));
       const int stage_offset = int(it % 2) * Tr::kQElems;
       const int64_t rows_left = bm.q_len - m_block * kM;  // rows past q_len are zero-filled
       copy_rows<true>(gmem_copy, tQgQ, at_offset(tQsQ, stage_offset), tQcQ, rows_left);
@@ -374,8 +358,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   auto thr_dq = mma_dq.get_thread_slice(tid);
 
   // S = Q·Kᵀ and dP = dO·Vᵀ: A (M, D) and B (N, D) both D-contiguous.
-  Tensor tSrQ = thr_sdp.partition_fragment_A(shape_only(smem, TileQ{}));
-  Tensor tSrK = thr_sdp.partition_fragment_B(shape_only(smem, TileKV{}));
+  Tensor tSrQ = thr_sdp.partition_fragment_A(shape_only(smem, typename Tr::TileQ{}));
+  Tensor tSrK = thr_sdp.partition_fragment_B(shape_only(smem, typename Tr::TileKV{}));
   auto copy_sdp_a = make_tiled_copy_A(typename Tr::SmemCopyAtom{}, mma_sdp);
   auto copy_sdp_b = make_tiled_copy_B(typename Tr::SmemCopyAtom{}, mma_sdp);
   auto thr_copy_sdp_a = copy_sdp_a.get_thread_slice(tid);
@@ -399,7 +383,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   Tensor tKVsQt = thr_copy_dkv_b.partition_S(sQt);
 
   // dQ = dS·K: A (M, N) from dS, B (D, N) from K read transposed.
-  Tensor tQrdS = thr_dq.partition_fragment_A(shape_only(smem, TileS{}));
+  Tensor tQrdS = thr_dq.partition_fragment_A(shape_only(smem, typename Tr::TileS{}));
   Tensor tQrKt = thr_dq.partition_fragment_B(shape_only(smem, Shape<Int<kD>, Int<kN>>{}));
   auto copy_dq_a = make_tiled_copy_A(typename Tr::SmemCopyAtom{}, mma_dq);
   auto copy_dq_b = make_tiled_copy_B(typename Tr::SmemCopyAtomTransposed{}, mma_dq);
@@ -414,14 +398,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   Tensor tPsP = thr_copy_pds.partition_D(sP);
   Tensor tPsdS = thr_copy_pds.partition_D(sdS);
 
-  Tensor acc_dk = partition_fragment_C(mma_dkv, TileKV{});
-  Tensor acc_dv = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor acc_dk = partition_fragment_C(mma_dkv, typename Tr::TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, typename Tr::TileKV{});
   clear(acc_dk);
   clear(acc_dv);
 
-  Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(TileS{})));  // (row, col) of each score
+  Tensor tScS = rowcol(thr_sdp.partition_C(make_identity_tensor(typename Tr::TileS{})));  // (row, col) of each score
   constexpr int kRows = decltype(size<0>(tScS))::value;
-  Tensor tQcdQ = thr_dq.partition_C(make_identity_tensor(TileQ{}));
+  Tensor tQcdQ = thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{}));
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
   const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
 
@@ -439,8 +423,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     __syncthreads();     // ... for every thread; and every thread is done with stage (it + 1) % 2, P and dS
     load_q_do(it + 1);
 
-    Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
-    Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+    Tensor acc_s = partition_fragment_C(mma_sdp, typename Tr::TileS{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, typename Tr::TileS{});
     probs_and_dscores<kExtras, kN>(gemm_sdp, acc_s, acc_dp, at_offset(tSsQ, stage_offset), tSsK,
                                    at_offset(tSsdO, stage_offset), tSsV, tScS, p, bm, segments, m0, m_end, n0, lse2,
                                    delta, score_log2, extras, uint32_t(head));
@@ -455,7 +439,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             thr_copy_dkv_a, thr_copy_dkv_b);
 
     if (accumulate_dq) {
-      Tensor acc_dq = partition_fragment_C(mma_dq, TileQ{});
+      Tensor acc_dq = partition_fragment_C(mma_dq, typename Tr::TileQ{});
       clear(acc_dq);
       gemm_ss(acc_dq, tQrdS, tQrKt, tQsdS, tQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
       float* dq_rows = p.dq_accum + q_batch_off + head * kD + m0 * q_row_stride;
@@ -487,9 +471,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   auto gmem_thr_copy_out = gmem_copy_out.get_thread_slice(tid);
   Tensor mdK = gmem_rows<kD>(static_cast<T*>(p.dk) + k_off, seqlen_k, k_row_stride);
   Tensor mdV = gmem_rows<kD>(static_cast<T*>(p.dv) + k_off, seqlen_k, k_row_stride);
-  Tensor tOgdK = gmem_thr_copy_out.partition_D(local_tile(mdK, TileKV{}, make_coord(n_block, 0)));
-  Tensor tOgdV = gmem_thr_copy_out.partition_D(local_tile(mdV, TileKV{}, make_coord(n_block, 0)));
-  Tensor tOcKV = gmem_thr_copy_out.partition_D(make_identity_tensor(TileKV{}));
+  Tensor tOgdK = gmem_thr_copy_out.partition_D(local_tile(mdK, typename Tr::TileKV{}, make_coord(n_block, 0)));
+  Tensor tOgdV = gmem_thr_copy_out.partition_D(local_tile(mdV, typename Tr::TileKV{}, make_coord(n_block, 0)));
+  Tensor tOcKV = gmem_thr_copy_out.partition_D(make_identity_tensor(typename Tr::TileKV{}));
   Tensor tOrdK = make_tensor<T>(shape(tOgdK));
   Tensor tOrdV = make_tensor<T>(shape(tOgdV));
   copy(gmem_copy_out, gmem_thr_copy_out.partition_S(sK), tOrdK);
@@ -516,44 +500,27 @@ template <class Tr, bool kExtras>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
-  using TileQ = typename Tr::TileQ;
-  using TileKV = typename Tr::TileKV;
-  using TileS = typename Tr::TileS;
-
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const int tid = threadIdx.x;
-  const AttnDims& dims = p.dims;
-  const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
-  const int64_t num_m_blocks = (seqlen_q + kM - 1) / kM;
-  const int64_t m_block = num_m_blocks - 1 - int64_t(blockIdx.x) % num_m_blocks;  // heaviest causal block first
-  const int64_t bh = blockIdx.x / num_m_blocks;
-  const int64_t head = bh % dims.heads_q, batch = bh / dims.heads_q;
-  const int64_t head_k = head / (dims.heads_q / dims.heads_k);
-  const int64_t q_row_stride = dims.heads_q * kD, k_row_stride = dims.heads_k * kD;
-  const int64_t m0 = m_block * kM;
-  const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
-  const int64_t q_off = batch * seqlen_q * q_row_stride + head * kD;
-  const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
-  const int64_t stat_off = (batch * dims.heads_q + head) * seqlen_q;
 
-  const BatchMask bm = batch_mask(p.mask, batch, seqlen_q, seqlen_k);
-  const int64_t m_valid_end = cute::min(m_end, bm.q_len);
-  int64_t key_begin, key_end;
-  visible_key_range(bm, m0, m_end, &key_begin, &key_end);
+  const int64_t seqlen_q = p.dims.seqlen_q, seqlen_k = p.dims.seqlen_k;
+  const QueryBlock qb = this_query_block<kM, kD>(p.dims);
+
+  const BatchMask bm = batch_mask(p.mask, qb.batch, seqlen_q, seqlen_k);
+  const int64_t m_valid_end = cute::min(qb.m_end, bm.q_len);
   const bool segments = kExtras && bm.q_seg != nullptr;
-  if (segments && key_begin < key_end)
-    narrow_by_ids<Tr::kNThreads>(bm.q_seg, m0, m_valid_end, bm.kv_seg, &key_begin, &key_end,
-                                 reinterpret_cast<int*>(smem_raw));
+  int64_t key_begin, key_end;
+  visible_keys<Tr::kNThreads>(bm, qb, segments, reinterpret_cast<int*>(smem_raw), &key_begin, &key_end);
   const int64_t n_block_min = key_begin / kN;
   const int64_t n_block_max = key_end > key_begin ? (key_end + kN - 1) / kN : n_block_min;
   const int64_t n_iters = n_block_max - n_block_min;
 
-  Tensor mQ = gmem_rows<kD>(static_cast<const T*>(p.q) + q_off, seqlen_q, q_row_stride);
-  Tensor mdO = gmem_rows<kD>(static_cast<const T*>(p.dout) + q_off, seqlen_q, q_row_stride);
-  Tensor mK = gmem_rows<kD>(static_cast<const T*>(p.k) + k_off, seqlen_k, k_row_stride);
-  Tensor mV = gmem_rows<kD>(static_cast<const T*>(p.v) + k_off, seqlen_k, k_row_stride);
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));  // (N, D, n_blocks)
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
+  Tensor mQ = gmem_rows<kD>(static_cast<const T*>(p.q) + qb.q_off, seqlen_q, qb.q_row_stride);
+  Tensor mdO = gmem_rows<kD>(static_cast<const T*>(p.dout) + qb.q_off, seqlen_q, qb.q_row_stride);
+  Tensor mK = gmem_rows<kD>(static_cast<const T*>(p.k) + qb.k_off, seqlen_k, qb.k_row_stride);
+  Tensor mV = gmem_rows<kD>(static_cast<const T*>(p.v) + qb.k_off, seqlen_k, qb.k_row_stride);
+  Tensor gK = local_tile(mK, typename Tr::TileKV{}, make_coord(_, 0));  // (N, D, n_blocks)
+  Tensor gV = local_tile(mV, typename Tr::TileKV{}, make_coord(_, 0));
 
   T* smem = reinterpret_cast<T*>(smem_raw);
   Tensor sQ = make_tensor(make_smem_ptr(smem), typename Tr::SmemLayoutQ{});
@@ -566,8 +533,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
 
   typename Tr::GmemTiledCopy gmem_copy;
   auto gmem_thr_copy = gmem_copy.get_thread_slice(tid);
-  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(TileQ{}));
-  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(typename Tr::TileQ{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(typename Tr::TileKV{}));
   Tensor tKgK = gmem_thr_copy.partition_S(gK);
   Tensor tVgV = gmem_thr_copy.partition_S(gV);
   Tensor tKsK = gmem_thr_copy.partition_D(sK);
@@ -584,16 +551,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
     }
     cp_async_fence();
   };
-  copy_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mQ, TileQ{}, make_coord(m_block, 0))),
-            gmem_thr_copy.partition_D(sQ), tQcQ, m_valid_end - m0);
-  copy_rows<true>(gmem_copy, gmem_thr_copy.partition_S(local_tile(mdO, TileQ{}, make_coord(m_block, 0))),
-            gmem_thr_copy.partition_D(sdO), tQcQ, m_valid_end - m0);
+  Tensor gQ = local_tile(mQ, typename Tr::TileQ{}, make_coord(qb.m_block, 0));
+  Tensor gdO = local_tile(mdO, typename Tr::TileQ{}, make_coord(qb.m_block, 0));
+  copy_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gQ), gmem_thr_copy.partition_D(sQ), tQcQ, m_valid_end - qb.m0);
+  copy_rows<true>(gmem_copy, gmem_thr_copy.partition_S(gdO), gmem_thr_copy.partition_D(sdO), tQcQ, m_valid_end - qb.m0);
   load_kv(0);
 
   typename Tr::TiledMma mma;
   auto thr_mma = mma.get_thread_slice(tid);
-  Tensor tSrQ = thr_mma.partition_fragment_A(shape_only(smem, TileQ{}));
-  Tensor tSrK = thr_mma.partition_fragment_B(shape_only(smem, TileKV{}));
+  Tensor tSrQ = thr_mma.partition_fragment_A(shape_only(smem, typename Tr::TileQ{}));
+  Tensor tSrK = thr_mma.partition_fragment_B(shape_only(smem, typename Tr::TileKV{}));
   Tensor tQrKt = thr_mma.partition_fragment_B(shape_only(smem, Shape<Int<kD>, Int<kN>>{}));
   auto copy_a = make_tiled_copy_A(typename Tr::SmemCopyAtom{}, mma);
   auto copy_b = make_tiled_copy_B(typename Tr::SmemCopyAtom{}, mma);
@@ -608,14 +575,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
   Tensor tQsKt = thr_copy_bt.partition_S(sKt);
   const auto gemm_sdp = bind_gemm_ss(mma, tSrQ, tSrK, copy_a, copy_b, thr_copy_a, thr_copy_b);
 
-  Tensor acc_dq = partition_fragment_C(mma, TileQ{});
+  Tensor acc_dq = partition_fragment_C(mma, typename Tr::TileQ{});
   clear(acc_dq);
-  Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(TileS{})));
+  Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(typename Tr::TileS{})));
   constexpr int kRows = decltype(size<0>(tScS))::value;
   float lse2[kRows], delta[kRows];
-  load_row_stats(tScS, p, bm, stat_off, m0, lse2, delta);
+  load_row_stats(tScS, p, bm, qb.stat_off, qb.m0, lse2, delta);
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
-  const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
+  const BwdExtras extras = kExtras ? BwdExtras(p, qb.batch) : BwdExtras();
 
   for (int64_t i = 0; i < n_iters; ++i) {
     const int64_t n0 = (n_block_min + i) * kN;
@@ -624,11 +591,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
     __syncthreads();
     load_kv(i + 1);
 
-    Tensor acc_s = partition_fragment_C(mma, TileS{});
-    Tensor acc_dp = partition_fragment_C(mma, TileS{});
+    Tensor acc_s = partition_fragment_C(mma, typename Tr::TileS{});
+    Tensor acc_dp = partition_fragment_C(mma, typename Tr::TileS{});
     probs_and_dscores<kExtras, kN>(gemm_sdp, acc_s, acc_dp, tSsQ, at_offset(tSsK, stage_offset), tSsdO,
-                                   at_offset(tSsV, stage_offset), tScS, p, bm, segments, m0, m_end, n0, lse2, delta,
-                                   score_log2, extras, uint32_t(head));
+                                   at_offset(tSsV, stage_offset), tScS, p, bm, segments, qb.m0, qb.m_end, n0, lse2,
+                                   delta, score_log2, extras, uint32_t(qb.head));
 
     Tensor rdS = convert_fragment<T>(acc_dp);
     Tensor tQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
@@ -637,14 +604,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
   cp_async_wait<0>();
 
   // dq_accum = dS·K (fp32, the atomic mode's workspace meaning); dq = scale · dS·K.
-  Tensor tQcdQ = thr_mma.partition_C(make_identity_tensor(TileQ{}));
-  float* acc_rows = p.dq_accum + q_off + m0 * q_row_stride;
-  T* dq_rows = static_cast<T*>(p.dq) + q_off + m0 * q_row_stride;
+  Tensor tQcdQ = thr_mma.partition_C(make_identity_tensor(typename Tr::TileQ{}));
+  float* acc_rows = p.dq_accum + qb.q_off + qb.m0 * qb.q_row_stride;
+  T* dq_rows = static_cast<T*>(p.dq) + qb.q_off + qb.m0 * qb.q_row_stride;
   CUTE_UNROLL
   for (int e = 0; e < size(acc_dq); e += 2) {
     const int row = get<0>(tQcdQ(e)), col = get<1>(tQcdQ(e));
-    if (row < m_end - m0) {
-      const int64_t off = int64_t(row) * q_row_stride + col;
+    if (row < qb.m_end - qb.m0) {
+      const int64_t off = int64_t(row) * qb.q_row_stride + col;
       *reinterpret_cast<float2*>(acc_rows + off) = make_float2(acc_dq(e), acc_dq(e + 1));
       alignas(4) T pair[2] = {T(acc_dq(e) * p.scale), T(acc_dq(e + 1) * p.scale)};
       *reinterpret_cast<uint32_t*>(dq_rows + off) = *reinterpret_cast<const uint32_t*>(pair);

@@ -15,19 +15,7 @@
 // shared-memory buffers each with cp.async; S and P never leave registers; O is written once.
 #pragma once
 
-#include <cstdint>
-#include <type_traits>
-
-#include <cute/tensor.hpp>
-#include <cutlass/numeric_conversion.h>
-#include <cutlass/numeric_types.h>
-
-#include "mask.h"
-#include "mask_tile.cuh"
-#include "operands.cuh"
-#include "params.h"
-#include "softmax.cuh"
-#include "tile.cuh"
+#include "kernel_common.cuh"
 #include "traits.cuh"
 
 namespace jaxflash::sm80 {
@@ -61,48 +49,26 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
-  using TileQ = typename Tr::TileQ;
-  using TileKV = typename Tr::TileKV;
-
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const int tid = threadIdx.x;
 
-  const AttnDims& dims = p.dims;
-  const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
-  const int64_t num_m_blocks = (seqlen_q + kM - 1) / kM;
-  // m-blocks of one head are adjacent in launch order (they share K/V in L2); the heaviest causal block
-  // of each head goes first so the light ones fill the tail of the grid.
-  const int64_t block_id = blockIdx.x;
-  const int64_t m_block = num_m_blocks - 1 - block_id % num_m_blocks;
-  const int64_t bh = block_id / num_m_blocks;
-  const int64_t head = bh % dims.heads_q, batch = bh / dims.heads_q;
-  const int64_t head_k = head / (dims.heads_q / dims.heads_k);
-  // Element strides of the contiguous layouts (params.h's helpers are host-only).
-  const int64_t q_row_stride = dims.heads_q * kD, k_row_stride = dims.heads_k * kD;
-  const int64_t m0 = m_block * kM;
-  const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
+  const int64_t seqlen_q = p.dims.seqlen_q, seqlen_k = p.dims.seqlen_k;
+  const QueryBlock qb = this_query_block<kM, kD>(p.dims);
+  float* lse_row = p.lse + qb.stat_off + qb.m0;
 
-  // 64-bit element offsets: tensors may exceed 2^31 elements.
-  const int64_t q_off = batch * seqlen_q * q_row_stride + head * kD;
-  const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
-  float* lse_row = p.lse + (batch * dims.heads_q + head) * seqlen_q + m0;
-
-  Tensor mO = gmem_rows<kD>(static_cast<T*>(p.o) + q_off, seqlen_q, q_row_stride);
-  Tensor gO = local_tile(mO, TileQ{}, make_coord(m_block, 0));
-  Tensor cQ = make_identity_tensor(TileQ{});  // (row, col) inside the Q/O tile
+  Tensor mO = gmem_rows<kD>(static_cast<T*>(p.o) + qb.q_off, seqlen_q, qb.q_row_stride);
+  Tensor gO = local_tile(mO, typename Tr::TileQ{}, make_coord(qb.m_block, 0));
+  Tensor cQ = make_identity_tensor(typename Tr::TileQ{});  // (row, col) inside the Q/O tile
   typename Tr::GmemTiledCopyOut gmem_copy_o;
   auto gmem_thr_copy_o = gmem_copy_o.get_thread_slice(tid);
   Tensor tOgO = gmem_thr_copy_o.partition_D(gO);
   Tensor tOcO = gmem_thr_copy_o.partition_D(cQ);
 
-  const BatchMask bm = batch_mask(p.mask, batch, seqlen_q, seqlen_k);
-  const int64_t m_valid_end = cute::min(m_end, bm.q_len);  // rows past q_len see nothing
-  int64_t key_begin, key_end;
-  visible_key_range(bm, m0, m_end, &key_begin, &key_end);
+  const BatchMask bm = batch_mask(p.mask, qb.batch, seqlen_q, seqlen_k);
+  const int64_t m_valid_end = cute::min(qb.m_end, bm.q_len);  // rows past q_len see nothing
   const bool segments = kExtras && bm.q_seg != nullptr;
-  if (segments && key_begin < key_end)  // packed documents: only the keys of this block's documents
-    narrow_by_ids<Tr::kNThreads>(bm.q_seg, m0, m_valid_end, bm.kv_seg, &key_begin, &key_end,
-                                 reinterpret_cast<int*>(smem_raw));
+  int64_t key_begin, key_end;
+  visible_keys<Tr::kNThreads>(bm, qb, segments, reinterpret_cast<int*>(smem_raw), &key_begin, &key_end);
   const int n_block_min = int(key_begin / kN);
   const int n_block_max = key_end > key_begin ? int((key_end + kN - 1) / kN) : n_block_min;
   const int n_iters = n_block_max - n_block_min;
@@ -110,18 +76,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   if (n_iters <= 0) {  // no row of this block sees any key: O = 0, LSE = −inf
     Tensor zeros = make_tensor<T>(shape(tOgO));
     clear(zeros);
-    copy_rows</*kZeroFill=*/false>(gmem_copy_o, zeros, tOgO, tOcO, m_end - m0);
-    for (int r = tid; r < m_end - m0; r += Tr::kNThreads) lse_row[r] = -INFINITY;
+    copy_rows</*kZeroFill=*/false>(gmem_copy_o, zeros, tOgO, tOcO, qb.m_end - qb.m0);
+    for (int r = tid; r < qb.m_end - qb.m0; r += Tr::kNThreads) lse_row[r] = -INFINITY;
     return;
   }
 
   // ---- global and shared tiles ----
-  Tensor mQ = gmem_rows<kD>(static_cast<const T*>(p.q) + q_off, seqlen_q, q_row_stride);
-  Tensor mK = gmem_rows<kD>(static_cast<const T*>(p.k) + k_off, seqlen_k, k_row_stride);
-  Tensor mV = gmem_rows<kD>(static_cast<const T*>(p.v) + k_off, seqlen_k, k_row_stride);
-  Tensor gQ = local_tile(mQ, TileQ{}, make_coord(m_block, 0));  // (M, D)
-  Tensor gK = local_tile(mK, TileKV{}, make_coord(_, 0));       // (N, D, n_blocks)
-  Tensor gV = local_tile(mV, TileKV{}, make_coord(_, 0));
+  Tensor mQ = gmem_rows<kD>(static_cast<const T*>(p.q) + qb.q_off, seqlen_q, qb.q_row_stride);
+  Tensor mK = gmem_rows<kD>(static_cast<const T*>(p.k) + qb.k_off, seqlen_k, qb.k_row_stride);
+  Tensor mV = gmem_rows<kD>(static_cast<const T*>(p.v) + qb.k_off, seqlen_k, qb.k_row_stride);
+  Tensor gQ = local_tile(mQ, typename Tr::TileQ{}, make_coord(qb.m_block, 0));  // (M, D)
+  Tensor gK = local_tile(mK, typename Tr::TileKV{}, make_coord(_, 0));           // (N, D, n_blocks)
+  Tensor gV = local_tile(mV, typename Tr::TileKV{}, make_coord(_, 0));
 
   T* smem = reinterpret_cast<T*>(smem_raw);
   Tensor sQ = make_tensor(make_smem_ptr(smem), typename Tr::SmemLayoutQ{});
@@ -140,14 +106,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   Tensor tKsK = gmem_thr_copy.partition_D(sK);
   Tensor tVgV = gmem_thr_copy.partition_S(gV);
   Tensor tVsV = gmem_thr_copy.partition_D(sV);
-  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(TileKV{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(typename Tr::TileKV{}));
 
   typename Tr::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tid);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);         // (MMA, MMA_M, MMA_D)
   Tensor tSrK = thr_mma.partition_fragment_B(sK);         // (MMA, MMA_N, MMA_D)
   Tensor tOrVt = thr_mma.partition_fragment_B(sVtShape);  // (MMA, MMA_D, MMA_N)
-  Tensor acc_o = partition_fragment_C(tiled_mma, TileQ{});
+  Tensor acc_o = partition_fragment_C(tiled_mma, typename Tr::TileQ{});
   clear(acc_o);
 
   auto smem_copy_q = make_tiled_copy_A(typename Tr::SmemCopyAtom{}, tiled_mma);
@@ -161,7 +127,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   Tensor tOsVt = smem_thr_copy_v.partition_S(sVt);
 
   // (row, col) inside the block of each score this thread holds, for the mask.
-  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(typename Tr::TileS{}));
 
   // ---- the K/V pipeline ----
   // Block i of the loop is n_block_max − 1 − i; its K and V live in stage i % kStages. Commit groups go
@@ -187,7 +153,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   auto load_k = [&](int i) { load_kv(tKgK, tKsK, i); };
   auto load_v = [&](int i) { load_kv(tVgV, tVsV, i); };
 
-  copy_rows</*kZeroFill=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, m_valid_end - m0);
+  copy_rows</*kZeroFill=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, m_valid_end - qb.m0);
   load_k(0);  // the first group also carries Q
   CUTE_UNROLL
   for (int s = 0; s + 1 < kStages; ++s) {
@@ -201,7 +167,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   const float score_scale = softcap > 0.f ? 1.f : p.scale;
   const float scale_log2 = score_scale * 1.4426950408889634f;
   const bool dropout = kExtras && p.dropout.rate > 0.f;
-  const DropoutDraw draw = dropout ? dropout_draw(p.dropout, batch) : DropoutDraw{};
+  const DropoutDraw draw = dropout ? dropout_draw(p.dropout, qb.batch) : DropoutDraw{};
   constexpr int kRows = 2 * decltype(size<1>(acc_o))::value;  // query rows this thread holds
   OnlineSoftmax<kRows> softmax;
 
@@ -209,8 +175,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   // With segment ids every block is masked (its ids are only known element by element).
   auto block_needs_mask = [&](int i) {
     const int64_t n0 = int64_t(n_block_max - 1 - i) * kN;
-    return segments || n0 + kN > bm.kv_len || m_end > bm.q_len ||
-           !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN);
+    return segments || n0 + kN > bm.kv_len || qb.m_end > bm.q_len ||
+           !block_fully_visible(p.mask, qb.m0, qb.m_end, n0, n0 + kN);
   };
   auto iteration = [&](int i, auto masked) __attribute__((always_inline)) {
     const int n_block = n_block_max - 1 - i;
@@ -221,7 +187,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     __syncthreads();
     load_v(i + kStages - 1);
 
-    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kM>, Int<kN>>{});
+    Tensor acc_s = partition_fragment_C(tiled_mma, typename Tr::TileS{});
     clear(acc_s);
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, at_offset(tSsK, stage_offset), tiled_mma, smem_copy_q, smem_copy_k,
             smem_thr_copy_q, smem_thr_copy_k);
@@ -233,12 +199,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     if (softcap > 0.f) softcap_scores(acc_s, p.scale, softcap);
     Tensor s_rc = rowcol(acc_s);
     Tensor c_rc = rowcol(tScS);
-    if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, bm, m0, n0);
+    if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, bm, qb.m0, n0);
 
     Tensor o_rc = rowcol(acc_o);
     softmax.update(s_rc, o_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
     if (dropout) {
-      for_each_keep(c_rc, draw, uint32_t(head), m0, n0, [&](int r, int c, bool keep) {
+      for_each_keep(c_rc, draw, uint32_t(qb.head), qb.m0, n0, [&](int r, int c, bool keep) {
         if (!keep) s_rc(r, c) = 0.f;
       });
     }
@@ -275,14 +241,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   Tensor tOsO = gmem_thr_copy_o.partition_S(sO);
   Tensor tOrO = make_tensor<T>(shape(tOgO));
   copy(gmem_copy_o, tOsO, tOrO);
-  copy_rows</*kZeroFill=*/false>(gmem_copy_o, tOrO, tOgO, tOcO, m_end - m0);
+  copy_rows</*kZeroFill=*/false>(gmem_copy_o, tOrO, tOgO, tOcO, qb.m_end - qb.m0);
 
   Tensor tOcO_acc = rowcol(thr_mma.partition_C(cQ));  // (row, col) of this thread's O rows
   if (get<1>(tOcO_acc(0, 0)) == 0) {                   // one thread of each quad writes the row's LSE
     CUTE_UNROLL
     for (int r = 0; r < size<0>(tOcO_acc); ++r) {
       const int row = get<0>(tOcO_acc(r, 0));
-      if (row < m_end - m0) lse_row[row] = lse[r];
+      if (row < qb.m_end - qb.m0) lse_row[row] = lse[r];
     }
   }
 }
