@@ -100,12 +100,13 @@ for family in ${JAXFLASH_TEST_FAMILIES:-auto sm80}; do
   for tool in memcheck racecheck; do
     [ "${SKIP_SANITIZER:-0}" = 1 ] && break
     echo "== compute-sanitizer --tool $tool ($family)"
+    log="$LOG/sanitizer_${tool}_$family.log"
     if JAXFLASH_CUDA_KERNELS=$family timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-        --kernel-name kns=flash_ "$PY" /tmp/jaxflash_small.py >"$LOG/sanitizer_${tool}_$family.log" 2>&1; then
-      verdict "sanitizer $tool $family" "ok: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${tool}_$family.log" | tail -1)"
+        --kernel-name kns=flash_ "$PY" /tmp/jaxflash_small.py >"$log" 2>&1; then
+      verdict "sanitizer $tool $family" "ok: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
     else
-      tail -20 "$LOG/sanitizer_${tool}_$family.log"
-      verdict "sanitizer $tool $family" "FAIL: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer_${tool}_$family.log" | tail -1)"
+      tail -20 "$log"
+      verdict "sanitizer $tool $family" "FAIL: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
     fi
   done
 done

@@ -38,4 +38,10 @@ bool needs_extras(const Params& p) {
   return p.mask.q_segment_ids != nullptr || p.softcap > 0.f || p.dropout.rate > 0.f;
 }
 
+// launch(std::bool_constant<kExtras>{}) with the variant the call needs.
+template <class Params, class Launch>
+cudaError_t with_extras(const Params& p, Launch&& launch) {
+  return needs_extras(p) ? launch(std::true_type{}) : launch(std::false_type{});
+}
+
 }  // namespace jaxflash

@@ -54,8 +54,9 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   if ((err = cudaPeekAtLastError()) != cudaSuccess) return err;
 
   // 2. dK, dV (+ dQ atomics), 3b. dQ without atomics.
-  err = needs_extras(p) ? launch_bwd_main<Tr, TrQ, true>(p, stream, device)
-                        : launch_bwd_main<Tr, TrQ, false>(p, stream, device);
+  err = with_extras(p, [&](auto extras) {
+    return launch_bwd_main<Tr, TrQ, decltype(extras)::value>(p, stream, device);
+  });
   if (err != cudaSuccess) return err;
 
   // 3a. dq = scale · dq_accum.

@@ -55,8 +55,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device) {
 template <DType kDType, int kHeadDim>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream, int device) {
   using Tr = FwdTraits<ElementOf<kDType>, kHeadDim>;
-  return needs_extras(params) ? launch_fwd<Tr, true>(params, stream, device)
-                              : launch_fwd<Tr, false>(params, stream, device);
+  return with_extras(params,
+                     [&](auto extras) { return launch_fwd<Tr, decltype(extras)::value>(params, stream, device); });
 }
 
 }  // namespace jaxflash::sm90
