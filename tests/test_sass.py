@@ -1,0 +1,69 @@
+"""The sm90 kernels of the built CUDA module are made of the Hopper instructions they are designed around.
+
+No GPU needed: `cuobjdump --dump-sass` (the nvidia-cuda-cuobjdump and -nvdisasm wheels of the test extras) reads
+the module's sm_90a code. Built for plain sm_90, the same source compiles but every wgmma becomes a trap and the
+register hand-over disappears; without the extended-shape define a 128x80 tile silently becomes 16-wide MMAs.
+Each sm90 forward kernel must hold warpgroup MMAs with both operands in shared memory (Q·Kᵀ) and with P from
+registers (P·V), TMA loads, the register reallocation of the producer and the consumers, and no trap.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jaxflash import _ffi
+
+
+def _tool(name):
+    found = shutil.which(name)
+    if found:
+        return found
+    for prefix in sys.path:  # the pip wheels put the binary under nvidia/cu*/bin
+        hits = sorted(glob.glob(os.path.join(prefix, "nvidia", "cu*", "bin", name)))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def _sass_by_function(module_path):
+    cuobjdump = _tool("cuobjdump")
+    nvdisasm = _tool("nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        pytest.fail("cuobjdump and nvdisasm are needed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, "
+                    "part of jaxflash[test] on Linux x86-64)")
+    env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", ""))
+    out = subprocess.run([cuobjdump, "--dump-sass", "-arch", "sm_90a", module_path], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    functions = {}
+    for chunk in out.split("Function : ")[1:]:
+        name, _, body = chunk.partition("\n")
+        functions[name.strip()] = body
+    return functions
+
+
+def test_sm90_forward_kernels_use_wgmma_tma_and_setmaxnreg():
+    if not _ffi.cuda_built():
+        pytest.skip("jaxflash was built without its CUDA module")
+    configs = [(t, d) for f, p, t, d in _ffi.cuda_configs() if f == "sm90" and p == "fwd"]
+    if not configs:
+        pytest.skip("the CUDA module was built without sm_90a (no sm90 configuration)")
+    from jaxflash import _jaxflash_cuda
+
+    functions = _sass_by_function(_jaxflash_cuda.__file__)
+    kernels = {n: b for n, b in functions.items() if n.startswith("_ZN8jaxflash4sm9016flash_fwd_kernel")}
+    # Two variants (with and without segment ids, softcap and dropout) per configuration.
+    assert len(kernels) == 2 * len(configs), sorted(kernels)
+    for name, body in kernels.items():
+        assert re.search(r"HGMMA\.64x\d+x16\.F32\.(BF16|F16) R\d+, gdesc\[", body), f"{name}: no Q·Kᵀ wgmma (SS)"
+        assert re.search(r"HGMMA\.64x\d+x16\.F32\.(BF16|F16) R\d+, R\d+, gdesc\[", body), \
+            f"{name}: no P·V wgmma with P from registers (RS)"
+        assert "HGMMA.64x16x16" not in body, f"{name}: 16-wide wgmma (extended shapes not enabled?)"
+        assert "UTMALDG" in body, f"{name}: no TMA load"
+        assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{name}: no setmaxnreg"
+        assert "BPT.TRAP" not in body, f"{name}: a trap (built for sm_90 instead of sm_90a?)"
