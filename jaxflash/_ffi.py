@@ -84,6 +84,7 @@ def _attrs(cfg) -> dict:
     targets decode whole (np.float32 for a float field: a Python float is f64)."""
     return dict(scale=np.float32(cfg.scale), softcap=np.float32(cfg.softcap), window_left=int(cfg.window_left),
                 window_right=int(cfg.window_right), bottom_right=bool(cfg.bottom_right),
+                diagonal_shift=int(cfg.diagonal_shift),
                 segment_ids=bool(cfg.segment_ids), lengths=bool(cfg.lengths),
                 dropout_rate=np.float32(cfg.dropout_rate), deterministic=bool(cfg.deterministic))
 

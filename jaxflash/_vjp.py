@@ -17,6 +17,7 @@ class Config(NamedTuple):
     window_left: int      # -1: unbounded
     window_right: int     # -1: unbounded; causal is 0
     bottom_right: bool    # causal diagonal at Sk - Sq (FlashAttention) rather than 0 (jax.nn)
+    diagonal_shift: int   # added to that diagonal (Mask.offset)
     segment_ids: bool     # the segment-id operands are meaningful
     lengths: bool         # the length operands are meaningful
     dropout_rate: float   # 0: off

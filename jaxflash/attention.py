@@ -87,6 +87,7 @@ def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dro
     scale = _check_scale(name, scale, query.shape[-1])
     softcap = _check_softcap(name, softcap)
     _check_window(name, mask.window)
+    offset = _check_offset(name, mask.offset)
     left, right = mask.sides()
     lead, sq, sk = query.shape[:-3], query.shape[-3], key.shape[-3]
     bottom_right = bottom_right or sq == sk  # the two alignments coincide
@@ -96,7 +97,8 @@ def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dro
     backend = _resolve_backend(name, backend, query)
 
     if backend == "reference":
-        checked = Mask(causal, (left, right), *(seg or (None, None)), *(lengths or (None, None)), bottom_right)
+        checked = Mask(causal, (left, right), *(seg or (None, None)), *(lengths or (None, None)), bottom_right,
+                       offset)
         out, lse = reference.attend(query, key, value, checked, scale=scale, softcap=softcap or None,
                                     dropout_rate=dropout_rate, dropout_key=key_words)
     elif 0 in query.shape or 0 in key.shape:
@@ -108,8 +110,9 @@ def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dro
         seg_ops = seg or (jnp.zeros(lead + (sq,), jnp.int32), jnp.zeros(lead + (sk,), jnp.int32))
         len_ops = lengths or (jnp.full(lead, sq, jnp.int32), jnp.full(lead, sk, jnp.int32))
         cfg = _vjp.Config(scale=scale, softcap=softcap, window_left=left, window_right=right,
-                          bottom_right=bottom_right, segment_ids=seg is not None, lengths=lengths is not None,
-                          dropout_rate=dropout_rate, deterministic=deterministic, backend=backend)
+                          bottom_right=bottom_right, diagonal_shift=offset, segment_ids=seg is not None,
+                          lengths=lengths is not None, dropout_rate=dropout_rate, deterministic=deterministic,
+                          backend=backend)
         out, lse = _vjp.flash(query, key, value, (*seg_ops, *len_ops, _dropout_state(key_words, lead)), cfg)
     return (out, lse) if return_lse else out
 
@@ -185,6 +188,14 @@ def _check_softcap(fn, softcap) -> float:
     if not math.isfinite(value) or value <= 0:
         _fail(fn, ValueError, f"softcap must be finite and positive (None: off); got {softcap!r}")
     return value
+
+
+def _check_offset(fn, offset):
+    if isinstance(offset, (bool, np.bool_)) or not isinstance(offset, (int, np.integer)):
+        _fail(fn, TypeError, f"the mask's offset must be a static int; got {type(offset).__name__} {offset!r}")
+    if abs(int(offset)) >= 2**62:
+        _fail(fn, ValueError, f"the mask's offset must be below 2^62 in magnitude; got {int(offset)}")
+    return int(offset)
 
 
 def _check_window(fn, window):

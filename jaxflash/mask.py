@@ -21,9 +21,12 @@ class Mask:
         ``q_lengths`` see nothing (output 0).
       bottom_right: where the diagonal lies: ``c = i + (Sk - Sq)`` (``True``: FlashAttention and
         `jaxflash.attention`) or ``c = i`` (``False``: jax.nn and Flax). The two agree when ``Sq == Sk``.
+      offset: a static int added to the diagonal: ``c = i + (Sk - Sq) + offset`` (or ``i + offset``). For a
+        block of queries that starts ``offset`` positions after its keys start (a chunk of a longer sequence
+        against the whole cache, or a ring step); 0 by default.
 
-    A pytree: the arrays are leaves, ``causal``, ``window`` and ``bottom_right`` static, so a mask crosses ``jit``,
-    ``vmap`` and Flax's lifted transforms.
+    A pytree: the arrays are leaves, ``causal``, ``window``, ``bottom_right`` and ``offset`` static, so a mask
+    crosses ``jit``, ``vmap`` and Flax's lifted transforms.
     """
     causal: bool = False
     window: tuple[int | None, int | None] | None = None
@@ -32,6 +35,7 @@ class Mask:
     q_lengths: Any = None
     kv_lengths: Any = None
     bottom_right: bool = True
+    offset: int = 0
 
     def __post_init__(self):
         if isinstance(self.window, list):  # static pytree data must be hashable
@@ -46,13 +50,13 @@ class Mask:
 
     def diagonal(self, sq: int, sk: int) -> int:
         """Key index of query 0's diagonal."""
-        return sk - sq if self.bottom_right else 0
+        return (sk - sq if self.bottom_right else 0) + self.offset
 
 
 def register(cls):
     """Register a `Mask` class (or subclass) as a pytree: arrays as leaves, the rest static."""
     jax.tree_util.register_dataclass(cls, data_fields=["q_segment_ids", "kv_segment_ids", "q_lengths", "kv_lengths"],
-                                     meta_fields=["causal", "window", "bottom_right"])
+                                     meta_fields=["causal", "window", "bottom_right", "offset"])
     return cls
 
 

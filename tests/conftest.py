@@ -5,8 +5,8 @@ import os
 import sys
 import zlib
 
-# Four host devices so the shard_map tests shard for real (must precede the first jax import).
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+# Eight host devices so the shard_map and ring tests shard for real (must precede the first jax import).
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

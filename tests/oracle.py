@@ -4,17 +4,17 @@ from __future__ import annotations
 import numpy as np
 
 
-def visible_mask(sq: int, sk: int, causal: bool = False, *, window=None, bottom_right=True, q_segment_ids=None,
-                 kv_segment_ids=None, q_lengths=None, kv_lengths=None) -> np.ndarray:
+def visible_mask(sq: int, sk: int, causal: bool = False, *, window=None, bottom_right=True, offset=0,
+                 q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None) -> np.ndarray:
     """Bool [..., 1, Sq, Sk]: query i sees key j iff c - left <= j <= c + right, c = i + (sk - sq) (bottom
-    right) or i (top left), a negative side unbounded, causal meaning right = min(right, 0); segment ids
+    right) or i (top left), plus `offset`, a negative side unbounded, causal meaning right = min(right, 0); segment ids
     equal; j < kv_lengths; i < q_lengths."""
     left, right = (-1, -1) if window is None else (-1 if w is None else w for w in window)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    c = i + (sk - sq if bottom_right else 0)
+    c = i + (sk - sq if bottom_right else 0) + offset
     mask = np.ones((1, sq, sk), bool)
     if right >= 0:
         mask &= (j <= c + right)[None]

@@ -152,7 +152,7 @@ def raw_fwd(q, k, v, *, seg=None, lengths=None, state=None, **attrs):
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(lead + (q.shape[-2], sq) if q.ndim >= 3 else (1,), jnp.float32))
     kw = dict(scale=np.float32(1.0), softcap=np.float32(0.0), window_left=-1, window_right=-1, bottom_right=True,
-              segment_ids=False, lengths=False, dropout_rate=np.float32(0), deterministic=False)
+              diagonal_shift=0, segment_ids=False, lengths=False, dropout_rate=np.float32(0), deterministic=False)
     kw.update(attrs)
     return jax.block_until_ready(jax.ffi.ffi_call("jaxflash_fwd", out_types)(q, k, v, *seg, *lengths, state, **kw))
 

@@ -52,7 +52,7 @@ def test_cuda_masks_match_oracle(kind_name, shape, dtype, deterministic):
     naive = run(q, k, v, do, kind, kw, "reference")
     ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=kind.get("causal", False),
                            softcap=kind.get("softcap"), window=kind.get("window"),
-                           bottom_right=not kind.get("top_left", False), **kw)
+                           bottom_right=not kind.get("top_left", False), offset=kind.get("offset", 0), **kw)
     case = f"{kind_name} {shape} {dtype} deterministic={deterministic}"
     for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
         check_close(name, g, r, n, dtype, case)
@@ -123,7 +123,8 @@ def test_cuda_dropout_matches_oracle(case, deterministic):
     keep = np.asarray(jaxflash.dropout_mask(key, LEAD[0], hq, sq, sk, rate))
     ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=kind.get("causal", False),
                            softcap=kind.get("softcap"), window=kind.get("window"),
-                           bottom_right=not kind.get("top_left", False), keep=keep, rate=rate, **kw)
+                           bottom_right=not kind.get("top_left", False), offset=kind.get("offset", 0), keep=keep,
+                           rate=rate, **kw)
     for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
         check_close(name, g, r, n, dtype, f"{case} deterministic={deterministic}")
 

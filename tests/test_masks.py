@@ -54,6 +54,10 @@ KINDS = {
                                             lengths=(lambda s: [s - 1, s // 2], lambda s: [s, s - 3])),
     "window-segments": dict(window=(9, 2), seg="packed"),
     "top-left-causal": dict(causal=True, top_left=True),
+    # The diagonal moved (Mask.offset: a query chunk further along, or before, its keys).
+    "causal-offset-back": dict(causal=True, offset=-40),
+    "window-offset-ahead": dict(window=(6, 2), offset=30),
+    "top-left-causal-offset": dict(causal=True, top_left=True, offset=9, seg="packed"),
     "top-left-window-lengths": dict(window=(4, 1), top_left=True, lengths=(lambda s: [s, 3], lambda s: [s, 5])),
 }
 SHAPES = [(113, 255, 4, 2, 40), (255, 113, 4, 4, 64), (64, 64, 8, 1, 16), (1, 17, 4, 2, 32), (301, 301, 2, 1, 128)]
@@ -62,7 +66,7 @@ SHAPES = [(113, 255, 4, 2, 40), (255, 113, 4, 4, 64), (64, 64, 8, 1, 16), (1, 17
 def run(q, k, v, do, kind, kw, backend, deterministic=False, rate=0.0, key=None):
     """(o, lse, dq, dk, dv) of `kind` with its mask arrays `kw` on `backend` (dropout at `rate` from `key`)."""
     mask = jaxflash.Mask(kind.get("causal", False), kind.get("window"), bottom_right=not kind.get("top_left", False),
-                         **kw)
+                         offset=kind.get("offset", 0), **kw)
 
     def f(q, k, v):
         return attend(q, k, v, mask, softcap=kind.get("softcap"), dropout_rate=rate, dropout_key=key, return_lse=True,
@@ -87,7 +91,8 @@ def test_masked_attention_matches_oracle(kind_name, shape, dtype):
     naive = run(q, k, v, do, kind, kw, "reference")
     as64 = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, do)]
     ref = oracle.attention(*as64[:3], do=as64[3], causal=kind.get("causal", False), softcap=kind.get("softcap"),
-                           window=kind.get("window"), bottom_right=not kind.get("top_left", False), **kw)
+                           window=kind.get("window"), bottom_right=not kind.get("top_left", False),
+                           offset=kind.get("offset", 0), **kw)
     case = f"{kind_name} {shape} {dtype}"
     for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
         check_close(name, g, r, n, dtype, case)

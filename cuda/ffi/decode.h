@@ -27,6 +27,7 @@ struct Options {
   int64_t window_left;   // -1: unbounded
   int64_t window_right;  // -1: unbounded; causal is 0
   bool bottom_right;     // causal diagonal at Sk - Sq (FlashAttention) rather than 0 (jax.nn)
+  int64_t diagonal_shift;  // added to that diagonal: the key offset of a query block (ring steps, chunks)
   bool segment_ids;      // the segment-id operands are meaningful
   bool lengths;          // the length operands are meaningful
   float dropout_rate;    // 0: off
@@ -38,6 +39,7 @@ struct Options {
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxflash::Options, StructMember<float>("scale"),
                                       StructMember<float>("softcap"), StructMember<int64_t>("window_left"),
                                       StructMember<int64_t>("window_right"), StructMember<bool>("bottom_right"),
+                                      StructMember<int64_t>("diagonal_shift"),
                                       StructMember<bool>("segment_ids"), StructMember<bool>("lengths"),
                                       StructMember<float>("dropout_rate"), StructMember<bool>("deterministic"));
 
@@ -194,7 +196,7 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
   if (auto e = CheckShape(target, "kv_segment_ids", ops.kv_segment_ids.dimensions(), want_k); e.failure()) return e;
   if (auto e = CheckShape(target, "q_lengths", ops.q_lengths.dimensions(), lead); e.failure()) return e;
   if (auto e = CheckShape(target, "kv_lengths", ops.kv_lengths.dimensions(), lead); e.failure()) return e;
-  mask->diag_offset = opts.bottom_right ? dims.seqlen_k - dims.seqlen_q : 0;
+  mask->diag_offset = (opts.bottom_right ? dims.seqlen_k - dims.seqlen_q : 0) + opts.diagonal_shift;
   mask->window_left = opts.window_left;
   mask->window_right = opts.window_right;
   mask->q_segment_ids = opts.segment_ids ? ops.q_segment_ids.typed_data() : nullptr;
