@@ -27,7 +27,7 @@ auto make_tma(const void* ptr, int64_t rows, int64_t heads, int64_t batch, SmemL
 }
 
 template <class Tr, bool kExtras>
-cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device) {
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool persistent) {
   constexpr auto kKernel = &flash_fwd_kernel<Tr, kExtras>;
   constexpr int kSmemBytes = int(sizeof(FwdSharedStorage<Tr>));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
@@ -35,12 +35,9 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device) {
   const AttnDims& d = p.dims;
   const int64_t tiles = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * d.batch * d.heads_q;
   if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;
-  // Persistent (one block per SM looping over tiles) when tiles cost alike: no window (causal included),
-  // which would leave blocks of light tiles idle, and no segment ids (the kernel narrows those per block).
-  const bool uniform = p.mask.window_left < 0 && p.mask.window_right < 0 && p.mask.q_segment_ids == nullptr;
   DeviceInfo info;
   if (cudaError_t err = device_info(device, &info); err != cudaSuccess) return err;
-  const int64_t grid = uniform ? std::min<int64_t>(tiles, info.multiprocessors) : tiles;
+  const int64_t grid = persistent ? std::min<int64_t>(tiles, info.multiprocessors) : tiles;
   const auto kv_layout = take<0, 2>(typename Tr::SmemLayoutKV{});
   const FwdKernelParams<Tr> kp{
       p,
@@ -55,8 +52,13 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device) {
 template <DType kDType, int kHeadDim>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream, int device) {
   using Tr = FwdTraits<ElementOf<kDType>, kHeadDim>;
-  return with_extras(params,
-                     [&](auto extras) { return launch_fwd<Tr, decltype(extras)::value>(params, stream, device); });
+  // Persistent (one block per SM looping over tiles) when tiles cost alike: no window (causal is one), which
+  // would leave the blocks of light tiles idle, and no segment ids (the kernel narrows those per block).
+  const MaskParams& m = params.mask;
+  const bool persistent = m.window_left < 0 && m.window_right < 0 && m.q_segment_ids == nullptr;
+  return with_extras(params, [&](auto extras) {
+    return launch_fwd<Tr, decltype(extras)::value>(params, stream, device, persistent);
+  });
 }
 
 }  // namespace jaxflash::sm90
