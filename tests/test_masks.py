@@ -172,3 +172,14 @@ def test_padding_past_lengths_never_leaks():
     kind, kw = dict(causal=True), dict(q_lengths=ql, kv_lengths=kl)
     for got, want in zip(run(*dirty, kind, kw, "cpu"), run(q, k, v, do, kind, kw, "cpu")):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_mask_offset_must_be_a_static_int():
+    q = jnp.zeros((1, 4, 1, 8))
+    with pytest.raises(TypeError, match=r"jaxflash.attention: the mask's offset must be a static int; got float 1.5"):
+        attend(q, q, q, jaxflash.Mask(offset=1.5))
+    with pytest.raises(TypeError, match=r"the mask's offset must be a static int; got DynamicJaxprTracer"):
+        jax.jit(lambda o: attend(q, q, q, jaxflash.Mask(offset=o)))(3)
+    # A NumPy integer is as good as an int, and a large shift simply hides every key (or shows them all).
+    o, lse = attend(q, q, q, jaxflash.Mask(causal=True, offset=np.int64(-100)), return_lse=True)
+    assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
