@@ -25,9 +25,9 @@ _NAME = "jaxflash.ring_attention"
 _LAYOUTS = ("contiguous", "zigzag")
 
 
-def zigzag_order(num_chunks_per_shard_pair: int) -> np.ndarray:
+def zigzag_order(num_shards: int) -> np.ndarray:
     """Chunk order of the zigzag layout for n shards: shard r holds chunks r and 2n - 1 - r."""
-    n = num_chunks_per_shard_pair
+    n = num_shards
     return np.array([c for r in range(n) for c in (r, 2 * n - 1 - r)])
 
 
@@ -184,7 +184,6 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
                     delta = q_chunk(r) * cq - k_chunk(s) * ck + diag
                     masks.append(_block_mask(causal, left, right, delta, cq, ck))
                 kinds = sorted(set(masks), key=lambda m: (m is None, m == "all", m if isinstance(m, int) else 0))
-                index = jnp.asarray([kinds.index(m) for m in masks], jnp.int32)[me]
                 q_start = q_chunk(me) * cq
                 k_start = k_chunk(src) * ck
                 qlen = local_lengths(q_lengths, q_start, cq)
@@ -209,6 +208,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
                 if len(kinds) == 1:  # the same mask on every shard
                     out, lse = branch(kinds[0])(None)
                 else:
+                    index = jnp.asarray([kinds.index(m) for m in masks], jnp.int32)[me]
                     out, lse = jax.lax.switch(index, [branch(m) for m in kinds], None)
                 if acc[qi] is None:
                     acc[qi] = (out, lse)
