@@ -3,6 +3,7 @@ the choice of backend. Kernels are reached through `_vjp.flash` (custom_vjp over
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,14 +76,25 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
                   scale=scale, return_lse=return_lse, deterministic=deterministic, backend=backend)
 
 
-def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropout_key=None, scale=None,
-           return_lse=False, deterministic=False, backend=None, name="jaxflash.attention"):
-    """`attention` with the mask as one `Mask`, of either alignment: the entry of `attention`, the jax.nn
-    drop-in and the Flax adapters. `name` is the public function called, the prefix of every error."""
+class Plan(NamedTuple):
+    """One validated call: the backend and what it takes. For the kernels, `cfg` and `operands` are what the
+    forward and backward FFI calls take; `mask` is the checked mask (explicit sides, alignment folded)."""
+    backend: str
+    mask: Mask
+    scale: float
+    softcap: float
+    dropout_rate: float
+    dropout_words: Any
+    cfg: Any
+    operands: tuple
+
+
+def plan(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropout_key=None, scale=None,
+         deterministic=False, backend=None, name="jaxflash.attention") -> Plan:
+    """Validates one call (every error names `name`, the public function called) and resolves its backend."""
     _check_arrays(name, query, key, value)
     causal = _check_bool(name, "causal", mask.causal)
     bottom_right = _check_bool(name, "bottom_right", mask.bottom_right)
-    return_lse = _check_bool(name, "return_lse", return_lse)
     deterministic = _check_bool(name, "deterministic", deterministic)
     scale = _check_scale(name, scale, query.shape[-1])
     softcap = _check_softcap(name, softcap)
@@ -95,17 +107,9 @@ def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dro
     lengths = _check_lengths(name, mask.q_lengths, mask.kv_lengths, lead, sq, sk)
     dropout_rate, key_words = _check_dropout(name, dropout_rate, dropout_key)
     backend = _resolve_backend(name, backend, query)
-
-    if backend == "reference":
-        checked = Mask(causal, (left, right), *(seg or (None, None)), *(lengths or (None, None)), bottom_right,
-                       offset)
-        out, lse = reference.attend(query, key, value, checked, scale=scale, softcap=softcap or None,
-                                    dropout_rate=dropout_rate, dropout_key=key_words)
-    elif 0 in query.shape or 0 in key.shape:
-        # Nothing to compute (or nothing to attend to): zeros and -inf, without launching a kernel.
-        out = jnp.zeros(query.shape, query.dtype)
-        lse = jnp.full(lead + (query.shape[-2], sq), -jnp.inf, jnp.float32)
-    else:
+    checked = Mask(causal, (left, right), *(seg or (None, None)), *(lengths or (None, None)), bottom_right, offset)
+    cfg, operands = None, ()
+    if backend != "reference":
         # Unused mask operands are placeholders of the right shapes (the kernels ignore them by flag).
         seg_ops = seg or (jnp.zeros(lead + (sq,), jnp.int32), jnp.zeros(lead + (sk,), jnp.int32))
         len_ops = lengths or (jnp.full(lead, sq, jnp.int32), jnp.full(lead, sk, jnp.int32))
@@ -113,7 +117,26 @@ def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dro
                           bottom_right=bottom_right, diagonal_shift=offset, segment_ids=seg is not None,
                           lengths=lengths is not None, dropout_rate=dropout_rate, deterministic=deterministic,
                           backend=backend)
-        out, lse = _vjp.flash(query, key, value, (*seg_ops, *len_ops, _dropout_state(key_words, lead)), cfg)
+        operands = (*seg_ops, *len_ops, _dropout_state(key_words, lead))
+    return Plan(backend, checked, scale, softcap, dropout_rate, key_words, cfg, operands)
+
+
+def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropout_key=None, scale=None,
+           return_lse=False, deterministic=False, backend=None, name="jaxflash.attention"):
+    """`attention` with the mask as one `Mask`, of either alignment: the entry of `attention`, the jax.nn
+    drop-in and the Flax adapters. `name` is the public function called, the prefix of every error."""
+    return_lse = _check_bool(name, "return_lse", return_lse)
+    pl = plan(query, key, value, mask, softcap=softcap, dropout_rate=dropout_rate, dropout_key=dropout_key,
+              scale=scale, deterministic=deterministic, backend=backend, name=name)
+    if pl.backend == "reference":
+        out, lse = reference.attend(query, key, value, pl.mask, scale=pl.scale, softcap=pl.softcap or None,
+                                    dropout_rate=pl.dropout_rate, dropout_key=pl.dropout_words)
+    elif 0 in query.shape or 0 in key.shape:
+        # Nothing to compute (or nothing to attend to): zeros and -inf, without launching a kernel.
+        out = jnp.zeros(query.shape, query.dtype)
+        lse = jnp.full(query.shape[:-3] + (query.shape[-2], query.shape[-3]), -jnp.inf, jnp.float32)
+    else:
+        out, lse = _vjp.flash(query, key, value, pl.operands, pl.cfg)
     return (out, lse) if return_lse else out
 
 

@@ -3,8 +3,8 @@
 Inside ``shard_map``, each device holds a slice of the queries and of the keys/values. The K/V slices travel
 around the ring (``ppermute``, one array per collective) while every device attends its queries to the slice
 that is visiting, and the partial results merge through their log-sum-exp (`jaxflash.combine`'s math). The
-gradient is the autodiff of that loop: the reverse ring, through each step's attention kernel (which takes
-the LSE's cotangent too).
+backward pass sends the slices around once more with their dK/dV accumulators (see `_ring_bwd`), so memory
+stays at one slice per device in both passes.
 
 Where a visiting slice sits relative to the local queries is a position offset on the causal diagonal
 (`Mask.offset`). It depends on the device, so each step picks, with ``lax.switch`` on the device index, one of
@@ -13,11 +13,14 @@ visible (no mask), or the diagonal at a given offset.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .attention import _check_bool, _check_window, attend
+from . import _partition
+from .attention import _check_bool, _check_window, _resolve_backend, attend, plan
 from .combine import combine
 from .mask import Mask
 
@@ -149,74 +152,186 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
                              f"{getattr(x, 'shape', type(x).__name__)}")
     # The rest (scale, softcap, shapes, dtypes, segment ids, lengths) is checked by each step's call.
     causal = _check_bool(_NAME, "causal", causal)
+    return_lse = _check_bool(_NAME, "return_lse", return_lse)
     _check_window(_NAME, window)
     left, right = Mask(causal, window).sides()
-    n, me = _axis_size_and_index(axis_name)
-    lq, lk = query.shape[-3], key.shape[-3]
-    q_pieces, cq = _pieces(layout, n, lq, "queries")
-    k_pieces, ck = _pieces(layout, n, lk, "keys")
-    diag = n * lk - n * lq  # bottom-right alignment over the global lengths
+    st = _Static(axis_name, layout, causal, left, right, softcap, scale, deterministic, backend)
+    _axis_size_and_index(axis_name)  # a clear error outside shard_map
+    mask_arrays = (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
+    if _resolve_backend(_NAME, backend, query) == "reference" or 0 in query.shape or 0 in key.shape:
+        out, lse = _ring_forward(st, query, key, value, *mask_arrays)  # differentiated by JAX
+    else:
+        out, lse = _ring(st, query, key, value, *mask_arrays)
+    return (out, lse) if return_lse else out
 
-    def piece(x, p, c, axis):
-        return jax.lax.slice_in_dim(x, p * c, (p + 1) * c, axis=axis % x.ndim) if len(q_pieces) > 1 else x
 
-    def local_lengths(lengths, start, size):
+class _Static(NamedTuple):
+    axis_name: Any
+    layout: str
+    causal: bool
+    left: int
+    right: int
+    softcap: Any
+    scale: Any
+    deterministic: bool
+    backend: Any
+
+
+class _Geometry(NamedTuple):
+    n: int      # devices on the ring
+    me: Any     # this device's index (traced)
+    q_pieces: list  # per piece of a shard's queries: shard index -> global chunk index
+    k_pieces: list
+    cq: int     # rows of a query piece
+    ck: int     # rows of a key piece
+    diag: int   # bottom-right alignment over the global lengths
+
+
+def _geometry(st, query, key):
+    n, me = _axis_size_and_index(st.axis_name)
+    q_pieces, cq = _pieces(st.layout, n, query.shape[-3], "queries")
+    k_pieces, ck = _pieces(st.layout, n, key.shape[-3], "keys")
+    return _Geometry(n, me, q_pieces, k_pieces, cq, ck, n * key.shape[-3] - n * query.shape[-3])
+
+
+def _piece(g, x, p, seq_axis):
+    """Piece p of a shard's slice along `seq_axis` (-3 for q/k/v/o, -1 for segment ids and the LSE)."""
+    if len(g.q_pieces) == 1:
+        return x
+    c = x.shape[seq_axis] // len(g.q_pieces)
+    return jax.lax.slice_in_dim(x, p * c, (p + 1) * c, axis=seq_axis % x.ndim)
+
+
+def _pairs(st, g, step):
+    """For one ring step: (query piece, key piece, the distinct static masks, index of this shard's) per pair.
+    A mask is None (no key visible: skipped), "all" (every key visible) or the diagonal offset to pass."""
+    for qi, q_chunk in enumerate(g.q_pieces):
+        for ki, k_chunk in enumerate(g.k_pieces):
+            masks = [_block_mask(st.causal, st.left, st.right, q_chunk(r) * g.cq - k_chunk((r - step) % g.n) * g.ck
+                                 + g.diag, g.cq, g.ck) for r in range(g.n)]
+            kinds = sorted(set(masks), key=lambda m: (m is None, m == "all", m if isinstance(m, int) else 0))
+            index = None if len(kinds) == 1 else jnp.asarray([kinds.index(m) for m in masks], jnp.int32)[g.me]
+            yield qi, ki, kinds, index
+
+
+def _select(kinds, index, branch):
+    """branch(kind)() on this shard: one call when every shard needs the same mask, else a switch."""
+    if index is None:
+        return branch(kinds[0])()
+    return jax.lax.switch(index, [lambda _, m=m: branch(m)() for m in kinds], None)
+
+
+def _pair_mask(st, g, kind, qi, ki, step, qseg, kseg, q_lengths, kv_lengths):
+    """The Mask of a visible pair: segment ids of both pieces, lengths made local to them."""
+    src = (g.me - step) % g.n
+
+    def local(lengths, start, size):
         return None if lengths is None else jnp.clip(lengths - start, 0, size).astype(jnp.int32)
 
-    perm = [(j, (j + 1) % n) for j in range(n)]
+    qlen = local(q_lengths, g.q_pieces[qi](g.me) * g.cq, g.cq)
+    klen = local(kv_lengths, g.k_pieces[ki](src) * g.ck, g.ck)
+    if kind == "all":
+        return Mask(False, None, qseg, kseg, qlen, klen)
+    return Mask(st.causal, (st.left, st.right), qseg, kseg, qlen, klen, bottom_right=False, offset=kind)
+
+
+def _kv_ring(st, g, arrays):
+    """The K/V-side arrays passed one shard on around the ring, one array per collective (XLA may not combine
+    mixed dtypes in one collective-permute)."""
+    perm = [(j, (j + 1) % g.n) for j in range(g.n)]
+    return tuple(None if x is None else jax.lax.ppermute(x, st.axis_name, perm) for x in arrays)
+
+
+def _ring_forward(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths):
+    g = _geometry(st, query, key)
     kv = (key, value, kv_segment_ids)
-    acc = [None] * len(q_pieces)  # per query piece: (out, lse) so far
-    for step in range(n):
-        src = (me - step) % n  # the shard whose K/V slice is here now
-        # Start passing the slice on before computing with it, one array per collective.
-        nxt = tuple(None if x is None else jax.lax.ppermute(x, axis_name, perm) for x in kv) if step + 1 < n else kv
+    acc = [None] * len(g.q_pieces)  # per query piece: (out, lse) so far
+    for step in range(g.n):
+        # Start passing the slice on before computing with it.
+        nxt = _kv_ring(st, g, kv) if step + 1 < g.n else kv
         k_cur, v_cur, kseg_cur = kv
-        for qi, q_chunk in enumerate(q_pieces):
-            q = piece(query, qi, cq, -3)
-            qseg = None if q_segment_ids is None else piece(q_segment_ids, qi, cq, -1)
-            for ki, k_chunk in enumerate(k_pieces):
-                k, v = piece(k_cur, ki, ck, -3), piece(v_cur, ki, ck, -3)
-                kseg = None if kseg_cur is None else piece(kseg_cur, ki, ck, -1)
-                # Per shard index r (static): this pair's diagonal offset and the static mask it needs.
-                masks = []
-                for r in range(n):
-                    s = (r - step) % n
-                    delta = q_chunk(r) * cq - k_chunk(s) * ck + diag
-                    masks.append(_block_mask(causal, left, right, delta, cq, ck))
-                kinds = sorted(set(masks), key=lambda m: (m is None, m == "all", m if isinstance(m, int) else 0))
-                q_start = q_chunk(me) * cq
-                k_start = k_chunk(src) * ck
-                qlen = local_lengths(q_lengths, q_start, cq)
-                klen = local_lengths(kv_lengths, k_start, ck)
+        for qi, ki, kinds, index in _pairs(st, g, step):
+            q = _piece(g, query, qi, -3)
+            k, v = _piece(g, k_cur, ki, -3), _piece(g, v_cur, ki, -3)
+            qseg = None if q_segment_ids is None else _piece(g, q_segment_ids, qi, -1)
+            kseg = None if kseg_cur is None else _piece(g, kseg_cur, ki, -1)
 
-                def branch(kind, q=q, k=k, v=v, qseg=qseg, kseg=kseg, qlen=qlen, klen=klen):
-                    def run(_):
-                        if kind is None:
-                            return (_like(q, jnp.zeros(q.shape, q.dtype)),
-                                    _like(q, jnp.full(q.shape[:-3] + (q.shape[-2], q.shape[-3]), -jnp.inf,
-                                                      jnp.float32)))
-                        if kind == "all":
-                            mask = Mask(False, None, qseg, kseg, qlen, klen)
-                        else:
-                            mask = Mask(causal, (left, right), qseg, kseg, qlen, klen, bottom_right=False,
-                                        offset=kind)
-                        out, lse = attend(q, k, v, mask, softcap=softcap, scale=scale, return_lse=True,
-                                          deterministic=deterministic, backend=backend, name=_NAME)
-                        return _like(q, out), _like(q, lse)
-                    return run
+            def branch(kind, q=q, k=k, v=v, qseg=qseg, kseg=kseg, qi=qi, ki=ki):
+                def run():
+                    if kind is None:
+                        return (_like(q, jnp.zeros(q.shape, q.dtype)),
+                                _like(q, jnp.full(q.shape[:-3] + (q.shape[-2], q.shape[-3]), -jnp.inf, jnp.float32)))
+                    mask = _pair_mask(st, g, kind, qi, ki, step, qseg, kseg, q_lengths, kv_lengths)
+                    out, lse = attend(q, k, v, mask, softcap=st.softcap, scale=st.scale, return_lse=True,
+                                      deterministic=st.deterministic, backend=st.backend, name=_NAME)
+                    return _like(q, out), _like(q, lse)
+                return run
 
-                if len(kinds) == 1:  # the same mask on every shard
-                    out, lse = branch(kinds[0])(None)
-                else:
-                    index = jnp.asarray([kinds.index(m) for m in masks], jnp.int32)[me]
-                    out, lse = jax.lax.switch(index, [branch(m) for m in kinds], None)
-                if acc[qi] is None:
-                    acc[qi] = (out, lse)
-                else:
-                    acc[qi] = combine(jnp.stack([acc[qi][0], out]), jnp.stack([acc[qi][1], lse]))
+            out, lse = _select(kinds, index, branch)
+            if acc[qi] is None:
+                acc[qi] = (out, lse)
+            else:
+                acc[qi] = combine(jnp.stack([acc[qi][0], out]), jnp.stack([acc[qi][1], lse]))
         kv = nxt
-    outs = [a[0] for a in acc]
-    lses = [a[1] for a in acc]
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-3)
-    lse = lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=-1)
-    return (out, lse) if return_lse else out
+    out = jnp.concatenate([a[0] for a in acc], axis=-3) if len(acc) > 1 else acc[0][0]
+    lse = jnp.concatenate([a[1] for a in acc], axis=-1) if len(acc) > 1 else acc[0][1]
+    return out, lse
+
+
+# The gradient, as FlashAttention's ring backward: the K/V slices go around the ring once more, each with its
+# fp32 dK and dV accumulators; at every step each device runs the backward kernel of its queries against the
+# visiting slice with the *global* output and LSE (so P and rowsum(dO * O) are the final ones), adds to its dQ
+# and to the visiting accumulators, and passes them on. After n passes the accumulators are home. Memory stays
+# at a shard's slice, where JAX's autodiff of the forward loop would keep every visiting slice.
+_ring = jax.custom_vjp(_ring_forward, nondiff_argnums=(0,))
+
+
+def _ring_fwd(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths):
+    out, lse = _ring_forward(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
+    return (out, lse), (query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, out, lse)
+
+
+def _ring_bwd(st, res, cotangents):
+    query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, out, lse = res
+    dout, dlse = cotangents
+    g = _geometry(st, query, key)
+    f32 = jnp.float32
+    dq = [_like(query, jnp.zeros(_piece(g, query, p, -3).shape, f32)) for p in range(len(g.q_pieces))]
+    kv = (key, value, kv_segment_ids)
+    dkv = (_like(key, jnp.zeros(key.shape, f32)), _like(value, jnp.zeros(value.shape, f32)))
+    for step in range(g.n):
+        k_cur, v_cur, kseg_cur = kv
+        dk_acc = [_piece(g, dkv[0], p, -3) for p in range(len(g.k_pieces))]
+        dv_acc = [_piece(g, dkv[1], p, -3) for p in range(len(g.k_pieces))]
+        for qi, ki, kinds, index in _pairs(st, g, step):
+            q, do, o = (_piece(g, x, qi, -3) for x in (query, dout, out))
+            l, dl = _piece(g, lse, qi, -1), _piece(g, dlse, qi, -1)
+            k, v = _piece(g, k_cur, ki, -3), _piece(g, v_cur, ki, -3)
+            qseg = None if q_segment_ids is None else _piece(g, q_segment_ids, qi, -1)
+            kseg = None if kseg_cur is None else _piece(g, kseg_cur, ki, -1)
+
+            def branch(kind, q=q, do=do, o=o, l=l, dl=dl, k=k, v=v, qseg=qseg, kseg=kseg, qi=qi, ki=ki):
+                def run():
+                    if kind is None:
+                        return tuple(_like(x, jnp.zeros(x.shape, f32)) for x in (q, k, v))
+                    mask = _pair_mask(st, g, kind, qi, ki, step, qseg, kseg, q_lengths, kv_lengths)
+                    pl = plan(q, k, v, mask, softcap=st.softcap, scale=st.scale, deterministic=st.deterministic,
+                              backend=st.backend, name=_NAME)
+                    grads = _partition.bwd(do, q, k, v, o, l, dl, pl.operands, pl.cfg)[:3]
+                    return tuple(_like(x, gr.astype(f32)) for x, gr in zip((q, k, v), grads))
+                return run
+
+            dq_p, dk_p, dv_p = _select(kinds, index, branch)
+            dq[qi] = dq[qi] + dq_p
+            dk_acc[ki] = dk_acc[ki] + dk_p
+            dv_acc[ki] = dv_acc[ki] + dv_p
+        dkv = tuple(jnp.concatenate(a, axis=-3) if len(a) > 1 else a[0] for a in (dk_acc, dv_acc))
+        # The accumulators travel with their slice; after the last step one more pass brings them home.
+        dkv = _kv_ring(st, g, dkv)
+        if step + 1 < g.n:
+            kv = _kv_ring(st, g, kv)
+    dq = jnp.concatenate(dq, axis=-3) if len(dq) > 1 else dq[0]
+    return (dq.astype(query.dtype), dkv[0].astype(key.dtype), dkv[1].astype(value.dtype), None, None, None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
