@@ -245,18 +245,26 @@ bool SegmentsMeet(const BatchMask& mask, int64_t row0, int64_t rows, int64_t col
   return ranges_meet(id_range(mask.q_seg, row0, row0 + rows), id_range(mask.kv_seg, col0, col0 + cols));
 }
 
-// --- forward --------------------------------------------------------------------------------------
+// What both passes derive from a call: the element type, the vector kernels, the padded head dim and the tiling.
 template <typename Tag>
-void ForwardImpl(const FwdParams& p, TaskPool* pool) {
+struct Pass {
   using T = typename Tag::Storage;
-  const Tag tag;
+  explicit Pass(const AttnDims& dims) : dm(dims) {}
+  void Forward(const FwdParams& p, TaskPool* pool) const;
+  void Backward(const BwdParams& p, TaskPool* pool) const;
+
+  const Tag tag{};
   const Kernels& kn = Isa();
-  const int64_t W = kn.vec;
-  const AttnDims& dm = p.dims;
-  const int64_t D = dm.head_dim, group = dm.group(), Dp = RoundUp(D, W);
+  const AttnDims& dm;
+  const int64_t W = kn.vec, D = dm.head_dim, group = dm.group(), Dp = RoundUp(D, W);
   const BlockSizes bs = ComputeBlockSizes(D);
   const int64_t br = bs.rows_q, bc = bs.rows_k;
   const int64_t num_q_blocks = (dm.seqlen_q + br - 1) / br;
+};
+
+// --- forward --------------------------------------------------------------------------------------
+template <typename Tag>
+void Pass<Tag>::Forward(const FwdParams& p, TaskPool* pool) const {
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
@@ -326,16 +334,7 @@ void ForwardImpl(const FwdParams& p, TaskPool* pool) {
 
 // --- backward -------------------------------------------------------------------------------------
 template <typename Tag>
-void BackwardImpl(const BwdParams& p, TaskPool* pool) {
-  using T = typename Tag::Storage;
-  const Tag tag;
-  const Kernels& kn = Isa();
-  const int64_t W = kn.vec;
-  const AttnDims& dm = p.dims;
-  const int64_t D = dm.head_dim, group = dm.group(), Dp = RoundUp(D, W);
-  const BlockSizes bs = ComputeBlockSizes(D);
-  const int64_t br = bs.rows_q, bc = bs.rows_k;
-  const int64_t num_q_blocks = (dm.seqlen_q + br - 1) / br;
+void Pass<Tag>::Backward(const BwdParams& p, TaskPool* pool) const {
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
@@ -489,17 +488,17 @@ BlockSizes ComputeBlockSizes(int64_t /*head_dim*/) { return {64, 128}; }
 
 void Forward(const FwdParams& p, DType dtype, TaskPool* pool) {
   switch (dtype) {
-    case DType::kF32: return ForwardImpl<F32>(p, pool);
-    case DType::kBF16: return ForwardImpl<BF16>(p, pool);
-    case DType::kF16: return ForwardImpl<F16>(p, pool);
+    case DType::kF32: return Pass<F32>(p.dims).Forward(p, pool);
+    case DType::kBF16: return Pass<BF16>(p.dims).Forward(p, pool);
+    case DType::kF16: return Pass<F16>(p.dims).Forward(p, pool);
   }
 }
 
 void Backward(const BwdParams& p, DType dtype, TaskPool* pool) {
   switch (dtype) {
-    case DType::kF32: return BackwardImpl<F32>(p, pool);
-    case DType::kBF16: return BackwardImpl<BF16>(p, pool);
-    case DType::kF16: return BackwardImpl<F16>(p, pool);
+    case DType::kF32: return Pass<F32>(p.dims).Backward(p, pool);
+    case DType::kBF16: return Pass<BF16>(p.dims).Backward(p, pool);
+    case DType::kF16: return Pass<F16>(p.dims).Backward(p, pool);
   }
 }
 
