@@ -18,10 +18,12 @@
 # SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_PATHS (test files or folders relative to the repo, default
 # "tests"), PYTEST_ARGS (default "-n 8" when pytest-xdist is installed; "-n 16"
 # once ran out of GPU memory next to the 17 GB 64-bit-offset test). Timing on one H200 (16 cores): build
-# 130-145 s for 90a-real; the 380 GPU tests take more than 6 minutes with -n 12; sanitizers ~30 s; the masks
-# and dropout suites ~25 s with --impls jaxflash. Over the device tool's 10-minute call limit, so run it there
-# in parts, each rebuilding on a fresh machine: SKIP_BENCH=1 with PYTEST_PATHS="tests/test_gpu_forward.py
-# tests/test_gpu_backward.py", then PYTEST_PATHS=tests/test_gpu_masks.py with the benchmarks.
+# 136-145 s for 90a-real; per family, forward + backward tests ~210 s and masks + command buffers ~200 s with
+# -n 14; sanitizers ~30 s per family; the masks and dropout suites ~25 s with --impls jaxflash. Over the device
+# tool's 10-minute call limit, so run it there in parts (carry the wheel built by the first part, install it and
+# set SKIP_BUILD=1): one family and one half of the tests per call, e.g. JAXFLASH_TEST_FAMILIES=auto with
+# PYTEST_PATHS="tests/test_gpu_forward.py tests/test_gpu_backward.py", then with PYTEST_PATHS=
+# "tests/test_gpu_masks.py tests/test_gpu_command_buffer.py", then the same for sm80.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-$(mktemp -d)}"
