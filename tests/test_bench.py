@@ -112,7 +112,7 @@ def test_not_implemented_shows_as_na(monkeypatch, capsys):
 
     _broken_jaxflash(monkeypatch, attn)
     assert bench.main(["--suite", "dropout", "--seqlens", "64", "--head-dims", "32", "--heads", "2", "--reps", "1",
-                       "--impls", "jaxflash"]) == 0
+                       "--passes", "fwdbwd", "--impls", "jaxflash"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("dropout ")]
     assert len(lines) == 2 and "n/a" not in lines[0] and lines[1].endswith("n/a (not implemented)")
 
@@ -213,3 +213,12 @@ def test_jax_nn_gets_a_right_side_0_window_as_causal(monkeypatch, impl):
     assert (seen["is_causal"], seen["local_window_size"]) == (False, (4, 2))
     bench.IMPLS[impl][0](q, q, q, bench.CAUSAL.kwargs(1, 64))
     assert (seen["is_causal"], seen["local_window_size"]) == (True, None)
+
+
+def test_gpu_targets_and_dropout_plans():
+    """The targets suite holds every Hopper target shape; the dropout suite times the passes asked for."""
+    jobs = _gpu_plan(suite="targets", passes=["fwd", "fwdbwd"])
+    shapes = {(j.case.label, j.pass_, j.d, j.s) for j in jobs}
+    assert {(c, p, d, s) for (suite, c, p, d, s) in bench.TARGETS if suite == "targets"} == shapes
+    jobs = _gpu_plan(suite="dropout", passes=["fwd"])
+    assert [(j.case.label, j.pass_) for j in jobs] == [("full", "fwd"), ("dropout", "fwd")]
