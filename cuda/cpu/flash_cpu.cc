@@ -345,13 +345,12 @@ void Pass<Tag>::Backward(const BwdParams& p, TaskPool* pool) const {
   auto stat_off = [&](int64_t b, int64_t h, int64_t row) { return (b * dm.heads_q + h) * dm.seqlen_q + row; };
 
   // Shares: the query blocks of a (batch, key head) are dealt round-robin into `shares` items, enough for
-  // ~kItems items in all so two or more threads stay busy when batch x heads is small; each share keeps
-  // its own fp32 dK and dV, summed afterwards. Chosen from the shapes alone, so the sums never depend on
-  // the number of threads. kItems = 8 against 4 and 16 at B=1, H=4 (two shares against one and four),
-  // fwd+bwd GFLOP/s on the busy 2-core CI machine, interleaved: D=64 S=2048 85 / 73 / 82, D=128 S=2048
-  // 50 / 51 / 47, D=128 S=2048 causal 57 / 67 / 54: no clear winner at four heads; shares matter when
-  // batch x heads is 1 to 3, where one item per head would leave a core idle.
-  constexpr int64_t kItems = 8;
+  // ~kItems items in all so two threads stay busy when batch x heads is 1 to 3; each share keeps its own
+  // fp32 dK and dV (zeroed, then summed in a second pass). Chosen from the shapes alone, so the sums never
+  // depend on the number of threads. At B=1, H=4 kItems = 4 (one share) against 8 (two), fwd+bwd ms on the
+  // 2-core CI machine, interleaved: D=128 S=256 9.6 / 10.8, S=1024 98 / 101; D=64 S=256 6.2 / 5.9, S=1024
+  // 63 / 62, S=2048 174 / 187 (loaded by a CI run: the ratios count, not the times).
+  constexpr int64_t kItems = 4;
   const int64_t bh = dm.batch * dm.heads_k;
   const int64_t shares = std::clamp<int64_t>((kItems + bh - 1) / bh, 1, std::max<int64_t>(num_q_blocks, 1));
   const int64_t head_elems = dm.seqlen_k * Dp;  // one fp32 dK (or dV) of a key head
