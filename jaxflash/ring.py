@@ -300,6 +300,7 @@ def _ring_bwd(st, res, cotangents):
     kv = (key, value, kv_segment_ids)
     dkv = (_like(key, jnp.zeros(key.shape, f32)), _like(value, jnp.zeros(value.shape, f32)))
     for step in range(g.n):
+        nxt = _kv_ring(st, g, kv) if step + 1 < g.n else kv  # on its way before this step's kernels run
         k_cur, v_cur, kseg_cur = kv
         dk_acc = [_piece(g, dkv[0], p, -3) for p in range(len(g.k_pieces))]
         dv_acc = [_piece(g, dkv[1], p, -3) for p in range(len(g.k_pieces))]
@@ -328,8 +329,7 @@ def _ring_bwd(st, res, cotangents):
         dkv = tuple(jnp.concatenate(a, axis=-3) if len(a) > 1 else a[0] for a in (dk_acc, dv_acc))
         # The accumulators travel with their slice; after the last step one more pass brings them home.
         dkv = _kv_ring(st, g, dkv)
-        if step + 1 < g.n:
-            kv = _kv_ring(st, g, kv)
+        kv = nxt
     dq = jnp.concatenate(dq, axis=-3) if len(dq) > 1 else dq[0]
     return (dq.astype(query.dtype), dkv[0].astype(key.dtype), dkv[1].astype(value.dtype), None, None, None, None)
 
