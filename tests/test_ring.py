@@ -77,6 +77,8 @@ CASES = {
     "lengths-causal": dict(causal=True, lengths=True),
     "softcap": dict(softcap=4.0, causal=True),
     "scale-deterministic": dict(scale=0.3, deterministic=True),
+    "dropout": dict(dropout_rate=0.3, dropout_key=jax.random.key(7)),
+    "dropout-causal-segments": dict(dropout_rate=0.2, dropout_key=jax.random.key(8), causal=True, segments=True),
 }
 
 
@@ -176,8 +178,17 @@ def test_ring_errors():
         jaxflash.ring_attention(q, q, q, axis_name="sp")
     with pytest.raises(ValueError, match=r"jaxflash.ring_attention: layout must be one of"):
         jaxflash.ring_attention(q, q, q, axis_name="sp", layout="ring")
-    with pytest.raises(NotImplementedError, match=r"jaxflash.ring_attention: dropout_rate > 0"):
-        jaxflash.ring_attention(q, q, q, axis_name="sp", dropout_rate=0.1, dropout_key=jax.random.key(0))
+    six = jnp.zeros((1, 24, 2, 8))  # 6 keys a shard
+    f = jax.shard_map(lambda q: jaxflash.ring_attention(q, q, q, axis_name="sp", dropout_rate=0.1,
+                                                        dropout_key=jax.random.key(0)),
+                      mesh=_mesh(4), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match=r"jaxflash.ring_attention: with dropout, a shard's keys must be a multiple "
+                                         r"of 4 \(the width of one dropout draw\); got 6"):
+        jax.jit(f)(six)
+    f = jax.shard_map(lambda q: jaxflash.ring_attention(q, q, q, axis_name="sp", dropout_rate=0.1),
+                      mesh=_mesh(4), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match=r"jaxflash.ring_attention: dropout_rate=0.1 needs a dropout_key"):
+        jax.jit(f)(six)
     odd = jnp.zeros((1, 12, 2, 8))
     f = jax.shard_map(lambda q: jaxflash.ring_attention(q, q, q, axis_name="sp", layout="zigzag"), mesh=_mesh(4),
                       in_specs=P(None, "sp"), out_specs=P(None, "sp"))

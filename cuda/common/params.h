@@ -30,10 +30,15 @@ struct MaskParams {
 };
 
 // Dropout of the attention probabilities (philox.h has the rule). rate = 0: off, state unused.
+// Per batch element: key word 0, key word 1, the element's batch index, and the position of the call's first
+// query row and first key column in the whole sequence (0 and 0 but for a slice of it: a ring attention step;
+// the column a multiple of 4, the width of one Philox draw).
+constexpr int kDropoutStateWords = 5;
+
 struct DropoutParams {
   float rate = 0.0f;
   uint32_t threshold = 0;      // floor(rate * 2^32)
-  const uint32_t* state = nullptr;  // [batch, 3]: key word 0, key word 1, the element's batch index
+  const uint32_t* state = nullptr;  // [batch, kDropoutStateWords]
 };
 
 struct AttnDims {
