@@ -158,10 +158,11 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
     st = _Static(axis_name, layout, causal, left, right, softcap, scale, deterministic, backend, dropout_rate)
     _axis_size_and_index(axis_name)  # a clear error outside shard_map
     if dropout_rate:
-        chunk = key.shape[-3] // (2 if layout == "zigzag" else 1)
+        zigzag = layout == "zigzag"
+        chunk = key.shape[-3] // (2 if zigzag else 1)
         if chunk % 4:
-            raise ValueError(f"{_NAME}: with dropout, a shard's keys{' per zigzag chunk' if layout == 'zigzag' else ''}"
-                             f" must be a multiple of 4 (the width of one dropout draw); got {chunk}")
+            raise ValueError(f"{_NAME}: with dropout, a shard's keys{' per zigzag chunk' if zigzag else ''} must be "
+                             f"a multiple of 4 (the width of one dropout draw); got {chunk}")
     mask_arrays = (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, key_words)
     if _resolve_backend(_NAME, backend, query) == "reference" or 0 in query.shape or 0 in key.shape:
         out, lse = _ring_forward(st, query, key, value, *mask_arrays)  # differentiated by JAX
@@ -234,13 +235,12 @@ def _positions(g, qi, ki, step):
 
 def _pair_mask(st, g, kind, qi, ki, step, qseg, kseg, q_lengths, kv_lengths):
     """The Mask of a visible pair: segment ids of both pieces, lengths made local to them."""
-    src = (g.me - step) % g.n
 
     def local(lengths, start, size):
         return None if lengths is None else jnp.clip(lengths - start, 0, size).astype(jnp.int32)
 
-    qlen = local(q_lengths, g.q_pieces[qi](g.me) * g.cq, g.cq)
-    klen = local(kv_lengths, g.k_pieces[ki](src) * g.ck, g.ck)
+    q0, k0 = _positions(g, qi, ki, step)
+    qlen, klen = local(q_lengths, q0, g.cq), local(kv_lengths, k0, g.ck)
     if kind == "all":
         return Mask(False, None, qseg, kseg, qlen, klen)
     return Mask(st.causal, (st.left, st.right), qseg, kseg, qlen, klen, bottom_right=False, offset=kind)
