@@ -63,7 +63,8 @@ inline ffi::Error ParsePagedFwd(const char* target, const ffi::AnyBuffer& q, con
   if (td.size() != 2 || td[0] != qd[0])
     return Invalid(target, "block_tables must have shape [B, pages_per_seq] with B = " + std::to_string(qd[0]) +
                                "; got " + ShapeStr(td));
-  if (auto e = CheckShape(target, "kv_lengths", kv_lengths.dimensions(), std::vector<int64_t>{qd[0]}); e.failure()) return e;
+  if (auto e = CheckShape(target, "kv_lengths", kv_lengths.dimensions(), std::vector<int64_t>{qd[0]}); e.failure())
+    return e;
   if (kd[3] != qd[3])
     return Invalid(target, "q and the caches must have the same head dim; got " + std::to_string(qd[3]) + " and " +
                                std::to_string(kd[3]));
