@@ -526,30 +526,32 @@ void Pass<Tag>::Backward(const BwdParams& p, TaskPool* pool) const {
 BlockSizes ComputeBlockSizes(int64_t /*head_dim*/) { return {64, 128}; }
 
 
+namespace {
+
+// run(pass) with the Pass of `dtype`.
+template <typename Run>
+void WithPass(DType dtype, const AttnDims& dims, const Run& run) {
+  switch (dtype) {
+    case DType::kF32: return run(Pass<F32>(dims));
+    case DType::kBF16: return run(Pass<BF16>(dims));
+    case DType::kF16: return run(Pass<F16>(dims));
+  }
+}
+
+}  // namespace
+
 void Forward(const FwdParams& p, DType dtype, TaskPool* pool) {
   const DenseKV src{p.dims.k_batch_stride(), p.dims.k_row_stride(), p.dims.head_dim};
-  switch (dtype) {
-    case DType::kF32: return Pass<F32>(p.dims).Forward(p, src, pool);
-    case DType::kBF16: return Pass<BF16>(p.dims).Forward(p, src, pool);
-    case DType::kF16: return Pass<F16>(p.dims).Forward(p, src, pool);
-  }
+  WithPass(dtype, p.dims, [&](const auto& pass) { pass.Forward(p, src, pool); });
 }
 
 void PagedForward(const FwdParams& p, const PagedKV& kv, DType dtype, TaskPool* pool) {
   const PagedKVRows src{kv, p.dims.k_row_stride(), p.dims.head_dim};
-  switch (dtype) {
-    case DType::kF32: return Pass<F32>(p.dims).Forward(p, src, pool);
-    case DType::kBF16: return Pass<BF16>(p.dims).Forward(p, src, pool);
-    case DType::kF16: return Pass<F16>(p.dims).Forward(p, src, pool);
-  }
+  WithPass(dtype, p.dims, [&](const auto& pass) { pass.Forward(p, src, pool); });
 }
 
 void Backward(const BwdParams& p, DType dtype, TaskPool* pool) {
-  switch (dtype) {
-    case DType::kF32: return Pass<F32>(p.dims).Backward(p, pool);
-    case DType::kBF16: return Pass<BF16>(p.dims).Backward(p, pool);
-    case DType::kF16: return Pass<F16>(p.dims).Backward(p, pool);
-  }
+  WithPass(dtype, p.dims, [&](const auto& pass) { pass.Backward(p, pool); });
 }
 
 }  // namespace jaxflash::cpu

@@ -38,6 +38,13 @@ class XlaPool final : public cpu::TaskPool {
   ffi::ThreadPool& pool_;
 };
 
+// Nothing to attend to: O = 0, LSE = -inf.
+ffi::Error NoKeys(ffi::Result<ffi::AnyBuffer>& o, ffi::ResultBuffer<ffi::F32>& lse) {
+  std::memset(o->untyped_data(), 0, o->size_bytes());
+  std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
+  return ffi::Error::Success();
+}
+
 ffi::Error FwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
                   ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o,
@@ -51,11 +58,7 @@ ffi::Error FwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
   if (auto e = ToDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
   if (q.element_count() == 0) return ffi::Error::Success();
-  if (p.dims.seqlen_k == 0) {  // nothing to attend to: O = 0, LSE = -inf
-    std::memset(o->untyped_data(), 0, o->size_bytes());
-    std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
-    return ffi::Error::Success();
-  }
+  if (p.dims.seqlen_k == 0) return NoKeys(o, lse);
   XlaPool tasks(pool);
   cpu::Forward(p, dtype, &tasks);
   return ffi::Error::Success();
@@ -120,11 +123,7 @@ ffi::Error PagedFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_
   if (auto e = ToDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
   if (auto e = CheckPages(kTarget, p, kv, k_cache.dimensions()[0]); e.failure()) return e;
   if (q.element_count() == 0) return ffi::Error::Success();
-  if (p.dims.seqlen_k == 0) {  // a table of no pages: nothing to attend to
-    std::memset(o->untyped_data(), 0, o->size_bytes());
-    std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
-    return ffi::Error::Success();
-  }
+  if (p.dims.seqlen_k == 0) return NoKeys(o, lse);  // a table of no pages
   XlaPool tasks(pool);
   cpu::PagedForward(p, kv, dtype, &tasks);
   return ffi::Error::Success();
