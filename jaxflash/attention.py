@@ -28,7 +28,8 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
       key, value: ``[..., Sk, Hkv, D]`` with the same leading dims; ``Hq`` a multiple of ``Hkv``
         (grouped-query / multi-query attention: query head ``h`` uses key/value head ``h // (Hq // Hkv)``).
       causal: mask aligned bottom-right, as FlashAttention aligns it: query ``i`` sees key ``j`` iff
-        ``j <= i + (Sk - Sq)``. For Sq=3, Sk=5 (``x`` = visible)::
+        ``j <= i + (Sk - Sq)`` (with lengths, per sequence: ``j <= i + kv_lengths - q_lengths``, a missing
+        length the full one). For Sq=3, Sk=5 (``x`` = visible)::
 
             q0  x x x . .
             q1  x x x x .
@@ -104,7 +105,8 @@ def plan(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropo
     offset = _check_offset(name, mask.offset)
     left, right = mask.sides()
     lead, sq, sk = query.shape[:-3], query.shape[-3], key.shape[-3]
-    bottom_right = bottom_right or sq == sk  # the two alignments coincide
+    lengths_given = mask.q_lengths is not None or mask.kv_lengths is not None
+    bottom_right = bottom_right or (sq == sk and not lengths_given)  # the two alignments coincide
     seg = _check_segment_ids(name, mask.q_segment_ids, mask.kv_segment_ids, lead, sq, sk)
     lengths = _check_lengths(name, mask.q_lengths, mask.kv_lengths, lead, sq, sk)
     dropout_rate, key_words = _check_dropout(name, dropout_rate, dropout_key)

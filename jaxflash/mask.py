@@ -20,7 +20,8 @@ class Mask:
       q_lengths, kv_lengths: int ``[...]``: keys at or past ``kv_lengths`` are invisible; query rows at or past
         ``q_lengths`` see nothing (output 0).
       bottom_right: where the diagonal lies: ``c = i + (Sk - Sq)`` (``True``: FlashAttention and
-        `jaxflash.attention`) or ``c = i`` (``False``: jax.nn and Flax). The two agree when ``Sq == Sk``.
+        `jaxflash.attention`; with lengths per sequence, ``c = i + kv_lengths - q_lengths``) or ``c = i``
+        (``False``: jax.nn and Flax). The two agree when ``Sq == Sk`` and no lengths are given.
       offset: a static int added to the diagonal: ``c = i + (Sk - Sq) + offset`` (or ``i + offset``). For a
         block of queries that starts ``offset`` positions after its keys start (a chunk of a longer sequence
         against the whole cache, or a ring step); 0 by default.

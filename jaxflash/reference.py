@@ -14,7 +14,8 @@ def visible(sq: int, sk: int, *, causal: bool = False, window=None, bottom_right
             q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None):
     """Bool mask [..., 1, Sq, Sk] (leading dims only when an array argument has them): query i sees key j
     iff c - left <= j <= c + right with c = i + (Sk - Sq if bottom_right else 0) (a side of -1 or None is
-    unbounded; causal sets right = 0), the segment ids are equal, j < kv_lengths and i < q_lengths."""
+    unbounded; causal sets right = 0), the segment ids are equal, j < kv_lengths and i < q_lengths. Bottom-right
+    with lengths aligns per sequence: c = i + kv_lengths - q_lengths (a missing one is Sk or Sq)."""
     return mask_matrix(sq, sk, Mask(causal, window, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths,
                                     bottom_right))
 
@@ -25,12 +26,18 @@ def mask_matrix(sq: int, sk: int, mask: Mask):
     i = jnp.arange(sq)[:, None]
     j = jnp.arange(sk)[None, :]
     c = i + mask.diagonal(sq, sk)
-    out = jnp.ones((sq, sk), bool)
+    if mask.bottom_right and (mask.q_lengths is not None or mask.kv_lengths is not None):
+        # Bottom-right per sequence: its last valid query sits on its last valid key.
+        ql = sq if mask.q_lengths is None else jnp.clip(jnp.asarray(mask.q_lengths), 0, sq)
+        kl = sk if mask.kv_lengths is None else jnp.clip(jnp.asarray(mask.kv_lengths), 0, sk)
+        c = c + (jnp.asarray(kl - ql) - (sk - sq))[..., None, None, None]  # [..., 1 (heads), Sq, 1]
+    else:
+        c = c[None]
+    out = jnp.ones(c.shape[:-1] + (sk,), bool)
     if right >= 0:
         out &= j <= c + right
     if left >= 0:
         out &= j >= c - left
-    out = out[None]  # the heads axis
     if mask.q_segment_ids is not None:
         out = out & (mask.q_segment_ids[..., None, :, None] == mask.kv_segment_ids[..., None, None, :])
     if mask.kv_lengths is not None:

@@ -135,7 +135,9 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
       layout: ``"contiguous"``: shard ``r`` holds the ``r``-th block of the sequence. ``"zigzag"``: the sequence
         was permuted with `jaxflash.zigzag` (shard ``r`` holds chunks ``r`` and ``2n - 1 - r`` of ``2n``), which
         balances causal work across the devices; `jaxflash.unzigzag` restores the order of the result.
-      Everything else: as `jaxflash.attention` (causal is bottom-right aligned over the global lengths).
+      Everything else: as `jaxflash.attention` (causal is bottom-right aligned over the global sequence). Lengths
+        together with a causal mask or a window are not supported yet (there the diagonal follows each
+        sequence's lengths, which the ring's per-step masks cannot express): NotImplementedError.
       dropout_rate, dropout_key: as `jaxflash.attention`; with dropout the keys of a shard (of each of its two
         chunks with zigzag) must be a multiple of 4, the width of one draw.
 
@@ -154,6 +156,10 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
     return_lse = _check_bool(_NAME, "return_lse", return_lse)
     _check_window(_NAME, window)
     left, right = Mask(causal, window).sides()
+    if (q_lengths is not None or kv_lengths is not None) and (left >= 0 or right >= 0):
+        raise NotImplementedError(f"{_NAME}: q_lengths/kv_lengths with a causal mask or a window are not supported "
+                                  "yet (the diagonal then follows each sequence's lengths, which the ring's per-step "
+                                  "masks cannot express); lengths without them, and segment ids, are")
     dropout_rate, key_words = _check_dropout(_NAME, dropout_rate, dropout_key)
     st = _Static(axis_name, layout, causal, left, right, softcap, scale, deterministic, backend, dropout_rate)
     _axis_size_and_index(axis_name)  # a clear error outside shard_map

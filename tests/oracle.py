@@ -8,18 +8,23 @@ def visible_mask(sq: int, sk: int, causal: bool = False, *, window=None, bottom_
                  q_segment_ids=None, kv_segment_ids=None, q_lengths=None, kv_lengths=None) -> np.ndarray:
     """Bool [..., 1, Sq, Sk]: query i sees key j iff c - left <= j <= c + right, c = i + (sk - sq) (bottom
     right) or i (top left), plus `offset`, a negative side unbounded, causal meaning right = min(right, 0); segment ids
-    equal; j < kv_lengths; i < q_lengths."""
+    equal; j < kv_lengths; i < q_lengths. Bottom right with lengths: c = i + kv_lengths - q_lengths + offset, per
+    sequence (a missing length is the full one)."""
     left, right = (-1, -1) if window is None else (-1 if w is None else w for w in window)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    c = i + (sk - sq if bottom_right else 0) + offset
-    mask = np.ones((1, sq, sk), bool)
+    c = (i + (sk - sq if bottom_right else 0) + offset)[None]  # [1 (heads), Sq, 1]
+    if bottom_right and (q_lengths is not None or kv_lengths is not None):
+        ql = sq if q_lengths is None else np.clip(np.asarray(q_lengths), 0, sq)
+        kl = sk if kv_lengths is None else np.clip(np.asarray(kv_lengths), 0, sk)
+        c = c + (np.asarray(kl - ql) - (sk - sq))[..., None, None, None]
+    mask = np.ones(c.shape[:-1] + (sk,), bool)
     if right >= 0:
-        mask &= (j <= c + right)[None]
+        mask &= j <= c + right
     if left >= 0:
-        mask &= (j >= c - left)[None]
+        mask &= j >= c - left
     if q_segment_ids is not None:
         qs, ks = np.asarray(q_segment_ids), np.asarray(kv_segment_ids)
         mask = mask & (qs[..., None, :, None] == ks[..., None, None, :])

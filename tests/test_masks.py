@@ -183,3 +183,33 @@ def test_mask_offset_must_be_a_static_int():
     # A NumPy integer is as good as an int, and a large shift simply hides every key (or shows them all).
     o, lse = attend(q, q, q, jaxflash.Mask(causal=True, offset=np.int64(-100)), return_lse=True)
     assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_causal_diagonal_follows_each_sequences_lengths(backend):
+    """A partly filled cache with several new tokens (a speculative draft, a prefill chunk): with lengths, the
+    diagonal sits at each sequence's end, so query i of the Sq new ones sees keys j <= kv_len - q_len + i and
+    no later draft token. The expected mask is written out here, element by element."""
+    b, sq, sk, h, d = 3, 4, 16, 2, 8
+    q, k, v = (jnp.asarray(np.random.default_rng(stable_seed("diag-lengths", i)).standard_normal(s), jnp.float32)
+               for i, s in enumerate([(b, sq, h, d), (b, sk, h, d), (b, sk, h, d)]))
+    kv_len, q_len = np.array([10, 16, 3]), np.array([4, 2, 4])
+    for window in (None, (2, None)):
+        out = jaxflash.attention(q, k, v, causal=True, window=window, q_lengths=q_len, kv_lengths=kv_len,
+                                 backend=backend)
+        want = np.zeros((b, sq, h, d))
+        for bi in range(b):
+            for i in range(q_len[bi]):
+                c = i + kv_len[bi] - q_len[bi]
+                seen = [j for j in range(sk) if j < kv_len[bi] and j <= c and (window is None or j >= c - window[0])]
+                if not seen:
+                    continue
+                s = np.einsum("hd,jhd->hj", np.asarray(q[bi, i], np.float64), np.asarray(k[bi, seen], np.float64))
+                p = np.exp(s / np.sqrt(d) - np.max(s / np.sqrt(d), axis=-1, keepdims=True))
+                want[bi, i] = np.einsum("hj,jhd->hd", p / p.sum(-1, keepdims=True), np.asarray(v[bi, seen]))
+        np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, err_msg=f"window={window}")
+    # Without lengths, and for the top-left drop-in, nothing moves.
+    top_left = jaxflash.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=q_len,
+                                              key_value_seq_lengths=kv_len)
+    mask = np.asarray(reference.visible(sq, sk, causal=True, bottom_right=False, q_lengths=q_len, kv_lengths=kv_len))
+    assert mask[1, 0, 1].tolist() == [True, True] + [False] * 14 and np.isfinite(np.asarray(top_left)).all()

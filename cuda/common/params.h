@@ -28,8 +28,9 @@ struct MaskParams {
   const int32_t* q_lengths = nullptr;       // [batch], or null: every row is valid
   const int32_t* kv_lengths = nullptr;      // [batch], or null: every key is valid
   // true: diag_offset, written for the static shapes, moves with b's lengths to
-  // diag_offset + (kv_len[b] - q_len[b]) - (Sk - Sq): bottom-right per element, as a paged KV cache needs
-  // (its Sk is the block table's capacity, not the sequence's length). false leaves the rule above as is.
+  // diag_offset + (kv_len[b] - q_len[b]) - (Sk - Sq): bottom-right per element (a paged KV cache, whose Sk is
+  // the block table's capacity, and every bottom-right call with lengths: a partly filled cache's new tokens
+  // sit at its end). false (top-left calls) leaves the rule above as is.
   bool diag_follows_lengths = false;
 };
 

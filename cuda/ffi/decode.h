@@ -197,6 +197,7 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
   if (auto e = CheckShape(target, "q_lengths", ops.q_lengths.dimensions(), lead); e.failure()) return e;
   if (auto e = CheckShape(target, "kv_lengths", ops.kv_lengths.dimensions(), lead); e.failure()) return e;
   mask->diag_offset = (opts.bottom_right ? dims.seqlen_k - dims.seqlen_q : 0) + opts.diagonal_shift;
+  mask->diag_follows_lengths = opts.bottom_right;  // bottom-right per sequence: kv_len[b] - q_len[b]
   mask->window_left = opts.window_left;
   mask->window_right = opts.window_right;
   mask->q_segment_ids = opts.segment_ids ? ops.q_segment_ids.typed_data() : nullptr;

@@ -194,7 +194,7 @@ __forceinline__ __device__ void probs_and_dscores(Gemm const& gemm, Acc& acc_s, 
                                                   const BwdExtras& extras, uint32_t head) {
   clear(acc_s);
   gemm(acc_s, sQ, sK);
-  if (segments || n0 + kN > bm.kv_len || !block_fully_visible(p.mask, m0, m_end, n0, n0 + kN)) {
+  if (segments || n0 + kN > bm.kv_len || !block_fully_visible(bm.m, m0, m_end, n0, n0 + kN)) {
     recompute_scores<kExtras, true, kN>(acc_s, coords, p, bm, m0, n0);
   } else {
     recompute_scores<kExtras, false, kN>(acc_s, coords, p, bm, m0, n0);

@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   auto block_needs_mask = [&](int i) {
     const int64_t n0 = int64_t(n_block_max - 1 - i) * kN;
     return segments || n0 + kN > bm.kv_len || qb.m_end > bm.q_len ||
-           !block_fully_visible(p.mask, qb.m0, qb.m_end, n0, n0 + kN);
+           !block_fully_visible(bm.m, qb.m0, qb.m_end, n0, n0 + kN);
   };
   auto iteration = [&](int i, auto masked) __attribute__((always_inline)) {
     const int n_block = n_block_max - 1 - i;

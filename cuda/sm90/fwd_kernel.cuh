@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     auto block_needs_mask = [&](int i) {
       const int64_t n0 = int64_t(t.n_block_max - 1 - i) * kN;
       return segments || n0 + kN > t.bm.kv_len || t.m_end > t.bm.q_len ||
-             !block_fully_visible(p.mask, t.m0, t.m_end, n0, n0 + kN);
+             !block_fully_visible(t.bm.m, t.m0, t.m_end, n0, n0 + kN);
     };
     // S_i (raw Q·Kᵀ, landed) -> unnormalised probabilities in s_rc; returns whether a row max moved.
     auto scores_to_probs = [&](int i, auto masked) __attribute__((always_inline)) {
