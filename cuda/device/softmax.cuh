@@ -53,7 +53,7 @@ __forceinline__ __device__ float exp2_fma(float x) {
   p = fmaf(p, f, 2.4024099e-1f);
   p = fmaf(p, f, 6.9312418e-1f);
   p = fmaf(p, f, 1.f);
-  return p * __int_as_float((__float_as_int(t) << 23) + (127 << 23));  // · 2^j (0 for j = −127)
+  return p * __uint_as_float((__float_as_uint(t) << 23) + (127u << 23));  // · 2^j (0 for j = −127)
 }
 
 template <int kNRows>
