@@ -90,8 +90,10 @@ class Plan(NamedTuple):
 
 
 def plan(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropout_key=None, scale=None,
-         deterministic=False, backend=None, name="jaxflash.attention") -> Plan:
-    """Validates one call (every error names `name`, the public function called) and resolves its backend."""
+         deterministic=False, backend=None, name="jaxflash.attention", positions=(0, 0)) -> Plan:
+    """Validates one call (every error names `name`, the public function called) and resolves its backend.
+    `positions`: the (row, column) of this call's first query and key in a longer sequence (ring attention's
+    slices; ints or traced scalars, the column a multiple of 4), so dropout draws that sequence's mask."""
     _check_arrays(name, query, key, value)
     causal = _check_bool(name, "causal", mask.causal)
     bottom_right = _check_bool(name, "bottom_right", mask.bottom_right)
@@ -117,20 +119,20 @@ def plan(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropo
                           bottom_right=bottom_right, diagonal_shift=offset, segment_ids=seg is not None,
                           lengths=lengths is not None, dropout_rate=dropout_rate, deterministic=deterministic,
                           backend=backend)
-        operands = (*seg_ops, *len_ops, _dropout_state(key_words, lead))
+        operands = (*seg_ops, *len_ops, _dropout_state(key_words, lead, positions))
     return Plan(backend, checked, scale, softcap, dropout_rate, key_words, cfg, operands)
 
 
 def attend(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropout_key=None, scale=None,
-           return_lse=False, deterministic=False, backend=None, name="jaxflash.attention"):
+           return_lse=False, deterministic=False, backend=None, name="jaxflash.attention", positions=(0, 0)):
     """`attention` with the mask as one `Mask`, of either alignment: the entry of `attention`, the jax.nn
     drop-in and the Flax adapters. `name` is the public function called, the prefix of every error."""
     return_lse = _check_bool(name, "return_lse", return_lse)
     pl = plan(query, key, value, mask, softcap=softcap, dropout_rate=dropout_rate, dropout_key=dropout_key,
-              scale=scale, deterministic=deterministic, backend=backend, name=name)
+              scale=scale, deterministic=deterministic, backend=backend, name=name, positions=positions)
     if pl.backend == "reference":
         out, lse = reference.attend(query, key, value, pl.mask, scale=pl.scale, softcap=pl.softcap or None,
-                                    dropout_rate=pl.dropout_rate, dropout_key=pl.dropout_words)
+                                    dropout_rate=pl.dropout_rate, dropout_key=pl.dropout_words, positions=positions)
     elif 0 in query.shape or 0 in key.shape:
         # Nothing to compute (or nothing to attend to): zeros and -inf, without launching a kernel.
         out = jnp.zeros(query.shape, query.dtype)
@@ -252,14 +254,17 @@ def _check_dropout(fn, rate, key):
     return value, words
 
 
-def _dropout_state(words, lead):
-    """[..., 3] uint32 operand: the key's words and each batch element's index in the flattened leading dims.
-    Under vmap it is broadcast with the other operands, so every vmapped call draws the same mask."""
+def _dropout_state(words, lead, positions):
+    """[..., 5] uint32 operand: the key's words, each batch element's index in the flattened leading dims, and
+    the call's first row and column in the sequence. Under vmap it is broadcast with the other operands, so
+    every vmapped call draws the same mask."""
     n = int(np.prod(lead, dtype=np.int64))
     index = jnp.arange(n, dtype=jnp.uint32).reshape(lead + (1,))
     if words is None:
         words = jnp.zeros((2,), jnp.uint32)
-    return jnp.concatenate([jnp.broadcast_to(words, lead + (2,)), index], axis=-1)
+    where = jnp.stack([jnp.asarray(x, jnp.uint32) for x in positions])
+    return jnp.concatenate([jnp.broadcast_to(words, lead + (2,)), index, jnp.broadcast_to(where, lead + (2,))],
+                           axis=-1)
 
 
 def _int_array(fn, name, x, shape):

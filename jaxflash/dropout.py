@@ -54,13 +54,15 @@ def threshold(rate: float) -> int:
     return int(float(np.float32(rate)) * 4294967296.0)
 
 
-def dropout_mask(key, batch: int, heads: int, q_len: int, k_len: int, rate: float):
-    """The keep mask the kernels draw: bool [batch, heads, q_len, k_len] (True = kept)."""
+def dropout_mask(key, batch: int, heads: int, q_len: int, k_len: int, rate: float, *, row_offset=0,
+                 col_offset=0):
+    """The keep mask the kernels draw: bool [batch, heads, q_len, k_len] (True = kept). With offsets (ints or
+    traced scalars), the block of rows row_offset.. and columns col_offset.. of a longer sequence's mask."""
     words = key_words(key)
     b = jnp.arange(batch, dtype=jnp.uint32)[:, None, None, None]
     h = jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None]
-    i = jnp.arange(q_len, dtype=jnp.uint32)[None, None, :, None]
-    j = jnp.arange(k_len, dtype=jnp.uint32)[None, None, None, :]
+    i = jnp.arange(q_len, dtype=jnp.uint32)[None, None, :, None] + jnp.asarray(row_offset, jnp.uint32)
+    j = jnp.arange(k_len, dtype=jnp.uint32)[None, None, None, :] + jnp.asarray(col_offset, jnp.uint32)
     r = philox4x32_10(j >> 2, i, h, b, words[0], words[1])
     word = jnp.where((j & 3) == 0, r[0], jnp.where((j & 3) == 1, r[1], jnp.where((j & 3) == 2, r[2], r[3])))
     return word >= jnp.uint32(threshold(rate))

@@ -52,8 +52,9 @@ def attention_with_lse(query, key, value, *, causal: bool = False, scale: float 
 
 
 def attend(query, key, value, mask: Mask, *, scale: float | None = None, softcap: float | None = None,
-           dropout_rate: float = 0.0, dropout_key=None):
-    """`attention_with_lse` with the mask as one `Mask`."""
+           dropout_rate: float = 0.0, dropout_key=None, positions=(0, 0)):
+    """`attention_with_lse` with the mask as one `Mask`; `positions`: the (row, column) of this block in the
+    sequence whose dropout mask it draws."""
     d = query.shape[-1]
     scale = d ** -0.5 if scale is None else scale
     group = query.shape[-2] // key.shape[-2]
@@ -70,7 +71,8 @@ def attend(query, key, value, mask: Mask, *, scale: float | None = None, softcap
     p = e / jnp.where(l > 0, l, 1).astype(l.dtype)
     if dropout_rate > 0:
         lead, (h, sq, sk) = query.shape[:-3], p.shape[-3:]
-        keep = dropout_mask(dropout_key, int(np.prod(lead, dtype=np.int64)), h, sq, sk, dropout_rate)
+        keep = dropout_mask(dropout_key, int(np.prod(lead, dtype=np.int64)), h, sq, sk, dropout_rate,
+                            row_offset=positions[0], col_offset=positions[1])
         p = jnp.where(keep.reshape(lead + (h, sq, sk)), p / jnp.asarray(1 - dropout_rate, p.dtype), 0)
     out = jnp.einsum("...hqk,...khd->...qhd", p, v).astype(query.dtype)
     l32 = l[..., 0].astype(jnp.float32)

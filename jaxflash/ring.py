@@ -9,7 +9,8 @@ stays at one slice per device in both passes.
 Where a visiting slice sits relative to the local queries is a position offset on the causal diagonal
 (`Mask.offset`). It depends on the device, so each step picks, with ``lax.switch`` on the device index, one of
 the few static masks the slice pairs of that step can need: none at all (skipped, no kernel), every key
-visible (no mask), or the diagonal at a given offset.
+visible (no mask), or the diagonal at a given offset. Dropout needs no switch: where the slices start in the
+sequence reaches the kernels at run time, in the dropout state operand, so each draws the single-device mask.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _partition
-from .attention import _check_bool, _check_window, _resolve_backend, attend, plan
+from .attention import _check_bool, _check_dropout, _check_window, _resolve_backend, attend, plan
 from .combine import combine
 from .mask import Mask
 
@@ -127,23 +128,21 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
     Each device passes its slice: ``query`` ``[..., Sq/n, Hq, D]``, ``key``/``value`` ``[..., Sk/n, Hkv, D]``,
     the segment ids' last axis and nothing else sharded over ``axis_name`` (n devices); lengths ``[...]`` are the
     global ones. The result is this device's slice of `jaxflash.attention` over the whole sequence (and its LSE
-    ``[..., Hq, Sq/n]`` with ``return_lse``), for every option of it but dropout, gradients included.
+    ``[..., Hq, Sq/n]`` with ``return_lse``), for every option of it, gradients included; dropout draws the
+    same mask as the single-device call (each step tells the kernel where its slices lie in the sequence).
 
     Args:
       layout: ``"contiguous"``: shard ``r`` holds the ``r``-th block of the sequence. ``"zigzag"``: the sequence
         was permuted with `jaxflash.zigzag` (shard ``r`` holds chunks ``r`` and ``2n - 1 - r`` of ``2n``), which
         balances causal work across the devices; `jaxflash.unzigzag` restores the order of the result.
       Everything else: as `jaxflash.attention` (causal is bottom-right aligned over the global lengths).
-      dropout_rate: must be 0: the kernels draw dropout by position within their call, and do not yet take a
-        block's global offsets as runtime operands.
+      dropout_rate, dropout_key: as `jaxflash.attention`; with dropout the keys of a shard (of each of its two
+        chunks with zigzag) must be a multiple of 4, the width of one draw.
 
     K/V slices of shards whose keys no local query can see (causal, windows) are not computed, only passed on.
     """
     if layout not in _LAYOUTS:
         raise ValueError(f"{_NAME}: layout must be one of {_LAYOUTS}; got {layout!r}")
-    if dropout_rate:
-        raise NotImplementedError(f"{_NAME}: dropout_rate > 0 is not supported yet (the kernels would need each "
-                                  f"block's global row and column offsets as runtime operands); got {dropout_rate}")
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError(f"{_NAME}: q_segment_ids and kv_segment_ids must be given together")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -155,9 +154,16 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
     return_lse = _check_bool(_NAME, "return_lse", return_lse)
     _check_window(_NAME, window)
     left, right = Mask(causal, window).sides()
-    st = _Static(axis_name, layout, causal, left, right, softcap, scale, deterministic, backend)
+    dropout_rate, key_words = _check_dropout(_NAME, dropout_rate, dropout_key)
+    st = _Static(axis_name, layout, causal, left, right, softcap, scale, deterministic, backend, dropout_rate)
     _axis_size_and_index(axis_name)  # a clear error outside shard_map
-    mask_arrays = (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
+    if dropout_rate:
+        zigzag = layout == "zigzag"
+        chunk = key.shape[-3] // (2 if zigzag else 1)
+        if chunk % 4:
+            raise ValueError(f"{_NAME}: with dropout, a shard's keys{' per zigzag chunk' if zigzag else ''} must be "
+                             f"a multiple of 4 (the width of one dropout draw); got {chunk}")
+    mask_arrays = (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, key_words)
     if _resolve_backend(_NAME, backend, query) == "reference" or 0 in query.shape or 0 in key.shape:
         out, lse = _ring_forward(st, query, key, value, *mask_arrays)  # differentiated by JAX
     else:
@@ -175,6 +181,7 @@ class _Static(NamedTuple):
     scale: Any
     deterministic: bool
     backend: Any
+    dropout_rate: float
 
 
 class _Geometry(NamedTuple):
@@ -221,15 +228,19 @@ def _select(kinds, index, branch):
     return jax.lax.switch(index, [lambda _, m=m: branch(m)() for m in kinds], None)
 
 
+def _positions(g, qi, ki, step):
+    """Where a pair's query and key pieces start in the whole sequence (traced: they depend on the shard)."""
+    return g.q_pieces[qi](g.me) * g.cq, g.k_pieces[ki]((g.me - step) % g.n) * g.ck
+
+
 def _pair_mask(st, g, kind, qi, ki, step, qseg, kseg, q_lengths, kv_lengths):
     """The Mask of a visible pair: segment ids of both pieces, lengths made local to them."""
-    src = (g.me - step) % g.n
 
     def local(lengths, start, size):
         return None if lengths is None else jnp.clip(lengths - start, 0, size).astype(jnp.int32)
 
-    qlen = local(q_lengths, g.q_pieces[qi](g.me) * g.cq, g.cq)
-    klen = local(kv_lengths, g.k_pieces[ki](src) * g.ck, g.ck)
+    q0, k0 = _positions(g, qi, ki, step)
+    qlen, klen = local(q_lengths, q0, g.cq), local(kv_lengths, k0, g.ck)
     if kind == "all":
         return Mask(False, None, qseg, kseg, qlen, klen)
     return Mask(st.causal, (st.left, st.right), qseg, kseg, qlen, klen, bottom_right=False, offset=kind)
@@ -242,7 +253,7 @@ def _kv_ring(st, g, arrays):
     return tuple(None if x is None else jax.lax.ppermute(x, st.axis_name, perm) for x in arrays)
 
 
-def _ring_forward(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths):
+def _ring_forward(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, key_words):
     g = _geometry(st, query, key)
     kv = (key, value, kv_segment_ids)
     acc = [None] * len(g.q_pieces)  # per query piece: (out, lse) so far
@@ -262,8 +273,10 @@ def _ring_forward(st, query, key, value, q_segment_ids, kv_segment_ids, q_length
                         return (_like(q, jnp.zeros(q.shape, q.dtype)),
                                 _like(q, jnp.full(q.shape[:-3] + (q.shape[-2], q.shape[-3]), -jnp.inf, jnp.float32)))
                     mask = _pair_mask(st, g, kind, qi, ki, step, qseg, kseg, q_lengths, kv_lengths)
-                    out, lse = attend(q, k, v, mask, softcap=st.softcap, scale=st.scale, return_lse=True,
-                                      deterministic=st.deterministic, backend=st.backend, name=_NAME)
+                    out, lse = attend(q, k, v, mask, softcap=st.softcap, dropout_rate=st.dropout_rate,
+                                      dropout_key=key_words, scale=st.scale, return_lse=True,
+                                      deterministic=st.deterministic, backend=st.backend, name=_NAME,
+                                      positions=_positions(g, qi, ki, step))
                     return _like(q, out), _like(q, lse)
                 return run
 
@@ -286,13 +299,13 @@ def _ring_forward(st, query, key, value, q_segment_ids, kv_segment_ids, q_length
 _ring = jax.custom_vjp(_ring_forward, nondiff_argnums=(0,))
 
 
-def _ring_fwd(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths):
-    out, lse = _ring_forward(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths)
-    return (out, lse), (query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, out, lse)
+def _ring_fwd(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, key_words):
+    out, lse = _ring_forward(st, query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, key_words)
+    return (out, lse), (query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, key_words, out, lse)
 
 
 def _ring_bwd(st, res, cotangents):
-    query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, out, lse = res
+    query, key, value, q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, key_words, out, lse = res
     dout, dlse = cotangents
     g = _geometry(st, query, key)
     f32 = jnp.float32
@@ -300,6 +313,7 @@ def _ring_bwd(st, res, cotangents):
     kv = (key, value, kv_segment_ids)
     dkv = (_like(key, jnp.zeros(key.shape, f32)), _like(value, jnp.zeros(value.shape, f32)))
     for step in range(g.n):
+        nxt = _kv_ring(st, g, kv) if step + 1 < g.n else kv  # on its way before this step's kernels run
         k_cur, v_cur, kseg_cur = kv
         dk_acc = [_piece(g, dkv[0], p, -3) for p in range(len(g.k_pieces))]
         dv_acc = [_piece(g, dkv[1], p, -3) for p in range(len(g.k_pieces))]
@@ -315,8 +329,9 @@ def _ring_bwd(st, res, cotangents):
                     if kind is None:
                         return tuple(_like(x, jnp.zeros(x.shape, f32)) for x in (q, k, v))
                     mask = _pair_mask(st, g, kind, qi, ki, step, qseg, kseg, q_lengths, kv_lengths)
-                    pl = plan(q, k, v, mask, softcap=st.softcap, scale=st.scale, deterministic=st.deterministic,
-                              backend=st.backend, name=_NAME)
+                    pl = plan(q, k, v, mask, softcap=st.softcap, dropout_rate=st.dropout_rate, dropout_key=key_words,
+                              scale=st.scale, deterministic=st.deterministic, backend=st.backend, name=_NAME,
+                              positions=_positions(g, qi, ki, step))
                     grads = _partition.bwd(do, q, k, v, o, l, dl, pl.operands, pl.cfg)[:3]
                     return tuple(_like(x, gr.astype(f32)) for x, gr in zip((q, k, v), grads))
                 return run
@@ -328,10 +343,10 @@ def _ring_bwd(st, res, cotangents):
         dkv = tuple(jnp.concatenate(a, axis=-3) if len(a) > 1 else a[0] for a in (dk_acc, dv_acc))
         # The accumulators travel with their slice; after the last step one more pass brings them home.
         dkv = _kv_ring(st, g, dkv)
-        if step + 1 < g.n:
-            kv = _kv_ring(st, g, kv)
+        kv = nxt
     dq = jnp.concatenate(dq, axis=-3) if len(dq) > 1 else dq[0]
-    return (dq.astype(query.dtype), dkv[0].astype(key.dtype), dkv[1].astype(value.dtype), None, None, None, None)
+    return (dq.astype(query.dtype), dkv[0].astype(key.dtype), dkv[1].astype(value.dtype), None, None, None, None,
+            None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

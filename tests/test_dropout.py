@@ -130,3 +130,12 @@ def test_legacy_uint32_key_is_accepted():
     a = jaxflash.attention(q, k, v, dropout_rate=0.5, dropout_key=jax.random.PRNGKey(3))
     b = jaxflash.attention(q, k, v, dropout_rate=0.5, dropout_key=jax.random.key(3))
     assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mask_of_a_slice_is_the_slice_of_the_mask():
+    """With row and column offsets, dropout_mask draws that block of a longer sequence's mask (ring attention's
+    slices tell the kernels the same offsets)."""
+    key = jax.random.key(3)
+    whole = np.asarray(jaxflash.dropout_mask(key, 2, 3, 40, 48, 0.4))
+    part = jaxflash.dropout_mask(key, 2, 3, 12, 20, 0.4, row_offset=jnp.int32(9), col_offset=24)
+    np.testing.assert_array_equal(np.asarray(part), whole[:, :, 9:21, 24:44])

@@ -148,7 +148,7 @@ def raw_fwd(q, k, v, *, seg=None, lengths=None, state=None, **attrs):
     sk = k.shape[-3] if k.ndim >= 3 else 1
     seg = seg or (jnp.zeros(lead + (sq,), jnp.int32), jnp.zeros(lead + (sk,), jnp.int32))
     lengths = lengths or (jnp.zeros(lead, jnp.int32), jnp.zeros(lead, jnp.int32))
-    state = jnp.zeros(lead + (3,), jnp.uint32) if state is None else state
+    state = jnp.zeros(lead + (5,), jnp.uint32) if state is None else state
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(lead + (q.shape[-2], sq) if q.ndim >= 3 else (1,), jnp.float32))
     kw = dict(scale=np.float32(1.0), softcap=np.float32(0.0), window_left=-1, window_right=-1, bottom_right=True,
@@ -170,7 +170,7 @@ def raw_fwd(q, k, v, *, seg=None, lengths=None, state=None, **attrs):
     (Q, K, K, {"lengths": (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32))},
      r"q_lengths must have shape \[2\]; got \[3\]"),
     (Q, K, K, {"dropout_rate": np.float32(1.5)}, r"dropout_rate must be in \[0, 1\); got 1.5"),
-    (Q, K, K, {"state": jnp.zeros((2, 2), jnp.uint32)}, r"dropout_state must have shape \[2, 3\]; got \[2, 2\]"),
+    (Q, K, K, {"state": jnp.zeros((2, 2), jnp.uint32)}, r"dropout_state must have shape \[2, 5\]; got \[2, 2\]"),
 ])
 def test_handler_rejects_bad_input(q, k, v, kwargs, match):
     with pytest.raises(Exception, match="jaxflash_fwd: .*" + match):

@@ -3,6 +3,8 @@
 and `zigzag` / `unzigzag`."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,8 @@ CASES = {
     "lengths-causal": dict(causal=True, lengths=True),
     "softcap": dict(softcap=4.0, causal=True),
     "scale-deterministic": dict(scale=0.3, deterministic=True),
+    "dropout": dict(dropout_rate=0.3, dropout_key=jax.random.key(7)),
+    "dropout-causal-segments": dict(dropout_rate=0.2, dropout_key=jax.random.key(8), causal=True, segments=True),
 }
 
 
@@ -133,6 +137,33 @@ def test_ring_skips_invisible_blocks(monkeypatch):
     assert traced(dict(window=(3, 0))) == [(False, (3, 0), 0), (False, (3, 0), 8)]
 
 
+def test_next_slice_is_sent_before_the_current_kernel():
+    """Communication can overlap computation: in program order (the lowered module XLA schedules from) the K and
+    V of step s + 1 are sent around the ring before step s's kernel is called, and nothing makes the kernel wait
+    for them. Whether the transfer then runs under the kernel is up to XLA's scheduler on the GPU (asynchronous
+    collective-permutes); the CPU runs them in turn."""
+    (q, k, v, _), _ = _inputs(0, 1, 64, 64, 2, 2, 32)
+    f = jax.shard_map(lambda q, k, v: jaxflash.ring_attention(q, k, v, axis_name="sp"), mesh=_mesh(4),
+                      in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+    text = jax.jit(f).lower(q, k, v).as_text()
+    bodies = dict(re.findall(r"func\.func (?:public|private) @(\w+)\((.*?)(?=\n\s*func\.func|\Z)", text, re.S))
+    kernel_fns = {name for name, body in bodies.items() if "@jaxflash_fwd" in body}
+    while True:  # functions that call one that runs the kernel run it too
+        more = {n for n, b in bodies.items() if any(f"func.call @{k}(" in b for k in kernel_fns)} - kernel_fns
+        if not more:
+            break
+        kernel_fns |= more
+    sent, kernels = 0, []  # per kernel call in main: collective-permutes issued before it
+    for line in bodies["main"].splitlines():
+        if "collective_permute" in line:
+            sent += 1
+        elif any(f"func.call @{k}(" in line for k in kernel_fns) or "@jaxflash_fwd" in line:
+            kernels.append(sent)
+    assert len(kernels) == 4, kernels
+    for step, before in enumerate(kernels[:-1]):
+        assert before >= 2 * (step + 1), kernels  # K and V of the next step already on their way
+
+
 def test_zigzag_round_trip_and_order():
     x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
     z = jaxflash.zigzag(x, 4, axis=1)
@@ -147,8 +178,17 @@ def test_ring_errors():
         jaxflash.ring_attention(q, q, q, axis_name="sp")
     with pytest.raises(ValueError, match=r"jaxflash.ring_attention: layout must be one of"):
         jaxflash.ring_attention(q, q, q, axis_name="sp", layout="ring")
-    with pytest.raises(NotImplementedError, match=r"jaxflash.ring_attention: dropout_rate > 0"):
-        jaxflash.ring_attention(q, q, q, axis_name="sp", dropout_rate=0.1, dropout_key=jax.random.key(0))
+    six = jnp.zeros((1, 24, 2, 8))  # 6 keys a shard
+    f = jax.shard_map(lambda q: jaxflash.ring_attention(q, q, q, axis_name="sp", dropout_rate=0.1,
+                                                        dropout_key=jax.random.key(0)),
+                      mesh=_mesh(4), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match=r"jaxflash.ring_attention: with dropout, a shard's keys must be a multiple "
+                                         r"of 4 \(the width of one dropout draw\); got 6"):
+        jax.jit(f)(six)
+    f = jax.shard_map(lambda q: jaxflash.ring_attention(q, q, q, axis_name="sp", dropout_rate=0.1),
+                      mesh=_mesh(4), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match=r"jaxflash.ring_attention: dropout_rate=0.1 needs a dropout_key"):
+        jax.jit(f)(six)
     odd = jnp.zeros((1, 12, 2, 8))
     f = jax.shard_map(lambda q: jaxflash.ring_attention(q, q, q, axis_name="sp", layout="zigzag"), mesh=_mesh(4),
                       in_specs=P(None, "sp"), out_specs=P(None, "sp"))

@@ -27,13 +27,22 @@ struct MaskParams {
   const int32_t* kv_segment_ids = nullptr;  // [batch, seqlen_k], or null
   const int32_t* q_lengths = nullptr;       // [batch], or null: every row is valid
   const int32_t* kv_lengths = nullptr;      // [batch], or null: every key is valid
+  // true: diag_offset, written for the static shapes, moves with b's lengths to
+  // diag_offset + (kv_len[b] - q_len[b]) - (Sk - Sq): bottom-right per element, as a paged KV cache needs
+  // (its Sk is the block table's capacity, not the sequence's length). false leaves the rule above as is.
+  bool diag_follows_lengths = false;
 };
 
 // Dropout of the attention probabilities (philox.h has the rule). rate = 0: off, state unused.
+// Per batch element: key word 0, key word 1, the element's batch index, and the position of the call's first
+// query row and first key column in the whole sequence (0 and 0 but for a slice of it: a ring attention step;
+// the column a multiple of 4, the width of one Philox draw).
+constexpr int kDropoutStateWords = 5;
+
 struct DropoutParams {
   float rate = 0.0f;
   uint32_t threshold = 0;      // floor(rate * 2^32)
-  const uint32_t* state = nullptr;  // [batch, 3]: key word 0, key word 1, the element's batch index
+  const uint32_t* state = nullptr;  // [batch, kDropoutStateWords]
 };
 
 struct AttnDims {
@@ -84,6 +93,15 @@ struct BwdParams {
   MaskParams mask;
   DropoutParams dropout;
   bool deterministic = false;  // no atomics: bitwise-reproducible gradients (the CPU kernel always is)
+};
+
+// A paged KV cache: FwdParams::k and ::v point at caches [num_pages, page_size, heads_k, head_dim], and key t
+// of batch element b is row t % page_size of page block_table[b, t / page_size]. dims.seqlen_k is the block
+// table's capacity, pages_per_seq * page_size; entries past an element's kv_lengths[b] are never read.
+struct PagedKV {
+  const int32_t* block_table = nullptr;  // [batch, pages_per_seq]
+  int64_t pages_per_seq = 0;
+  int64_t page_size = 0;
 };
 
 }  // namespace jaxflash

@@ -46,24 +46,26 @@ JAXFLASH_PHILOX_HD Philox4 philox4x32_10(Philox4 ctr, uint32_t k0, uint32_t k1) 
   return ctr;
 }
 
-// What a kernel needs to decide dropout: the batch element's key and index (see DropoutParams), the rate as
-// a 32-bit threshold, and 1 / (1 - rate) for the kept values.
+// What a kernel needs to decide dropout: the batch element's key, index and position (see DropoutParams), and
+// the rate as a 32-bit threshold.
 struct DropoutDraw {
   uint32_t k0, k1, batch;
+  uint32_t row0, group0;  // this call's first query row and first group of four key columns in the whole sequence
   uint32_t threshold;
 };
 
-// The four keep bits of columns 4c .. 4c+3 of row i, head h (one Philox call serves four columns).
+// The four keep bits of columns 4c .. 4c+3 of row i, head h (one Philox call serves four columns), i and c
+// counted within the call: the counter holds their positions in the whole sequence.
 JAXFLASH_PHILOX_HD uint32_t dropout_keep4(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t c) {
-  const Philox4 r = philox4x32_10(Philox4{{c, i, h, d.batch}}, d.k0, d.k1);
+  const Philox4 r = philox4x32_10(Philox4{{c + d.group0, i + d.row0, h, d.batch}}, d.k0, d.k1);
   uint32_t bits = 0;
   for (int w = 0; w < 4; ++w) bits |= uint32_t(r.x[w] >= d.threshold) << w;
   return bits;
 }
 
 JAXFLASH_PHILOX_HD DropoutDraw dropout_draw(const DropoutParams& p, int64_t b) {
-  const uint32_t* s = p.state + 3 * b;
-  return DropoutDraw{s[0], s[1], s[2], p.threshold};
+  const uint32_t* s = p.state + kDropoutStateWords * b;
+  return DropoutDraw{s[0], s[1], s[2], s[3], s[4] >> 2, p.threshold};
 }
 
 JAXFLASH_PHILOX_HD bool dropout_keep(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t j) {

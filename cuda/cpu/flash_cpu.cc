@@ -1,6 +1,7 @@
 // FlashAttention-2 on the CPU, the same algorithm as the CUDA kernels.
 //
-// Forward, per (batch, head, query block): stream K/V blocks, S = Q K^T, online softmax with a running
+// Forward, per (batch, head, query block): stream K/V blocks (from one contiguous array, or gathered page by
+// page through a block table: the paged KV cache), S = Q K^T, online softmax with a running
 // row max m and sum l (rescaling O and l when m rises), O += P V; O and LSE = m + log(l) written once.
 // Backward recomputes P = exp(S - LSE) block by block and never forms an N x N matrix. Per (batch, key head,
 // share of the query blocks), for each query head of the GQA group and query block of the share, over the
@@ -186,6 +187,46 @@ Rows KeyRows(Tag tag, const typename Tag::Storage* src, int64_t rows, int64_t d,
   return Rows{buf.data(), ld};
 }
 
+// Where the forward reads the K/V rows of one (batch, key head): DenseKV from [batch, seqlen_k, heads_k, D],
+// PagedKVRows through a block table from pages [num_pages, page_size, heads_k, D]. Both have rows heads_k * D
+// apart; `Contiguous` is how many rows from key t on lie one after the other.
+struct DenseKV {
+  int64_t batch_stride, row_stride, head_dim;
+  template <typename T>
+  const T* Row(const T* base, int64_t b, int64_t hk, int64_t t) const {
+    return base + b * batch_stride + t * row_stride + hk * head_dim;
+  }
+  static constexpr int64_t Contiguous(int64_t, int64_t) { return std::numeric_limits<int64_t>::max(); }
+};
+
+struct PagedKVRows {
+  PagedKV kv;
+  int64_t row_stride, head_dim;
+  template <typename T>
+  const T* Row(const T* base, int64_t b, int64_t hk, int64_t t) const {
+    const int64_t page = kv.block_table[b * kv.pages_per_seq + t / kv.page_size];  // int64 before the product
+    return base + (page * kv.page_size + t % kv.page_size) * row_stride + hk * head_dim;
+  }
+  int64_t Contiguous(int64_t, int64_t t) const { return kv.page_size - t % kv.page_size; }
+};
+
+// Rows [col0, col0 + cols) of K or V of (b, hk) as float rows (KeyRows); rows that span pages are gathered
+// into `buf` page by page.
+template <typename Tag, typename Src>
+Rows SourceRows(Tag tag, const Src& src, const typename Tag::Storage* base, int64_t b, int64_t hk, int64_t col0,
+                int64_t cols, int64_t d, int64_t vec, std::vector<float>& buf) {
+  if (src.Contiguous(b, col0) >= cols)
+    return KeyRows(tag, src.Row(base, b, hk, col0), cols, d, src.row_stride, vec, buf);
+  const int64_t ld = RoundUp(d, vec);
+  if (int64_t(buf.size()) < cols * ld) buf.assign(cols * ld, 0.f);
+  for (int64_t t = 0; t < cols;) {
+    const int64_t n = std::min(cols - t, src.Contiguous(b, col0 + t));
+    LoadRows(tag, src.Row(base, b, hk, col0 + t), n, d, src.row_stride, 1.f, buf.data() + t * ld, ld);
+    t += n;
+  }
+  return Rows{buf.data(), ld};
+}
+
 void Gemm(const Kernels& kn, const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb,
           float* c, int64_t ldc, int64_t m, int64_t n, int64_t k, bool accumulate,
           const float* row_scale = nullptr) {
@@ -250,7 +291,8 @@ template <typename Tag>
 struct Pass {
   using T = typename Tag::Storage;
   explicit Pass(const AttnDims& dims) : dm(dims) {}
-  void Forward(const FwdParams& p, TaskPool* pool) const;
+  template <typename Src>
+  void Forward(const FwdParams& p, const Src& src, TaskPool* pool) const;
   void Backward(const BwdParams& p, TaskPool* pool) const;
 
   const Tag tag{};
@@ -264,7 +306,8 @@ struct Pass {
 
 // --- forward --------------------------------------------------------------------------------------
 template <typename Tag>
-void Pass<Tag>::Forward(const FwdParams& p, TaskPool* pool) const {
+template <typename Src>
+void Pass<Tag>::Forward(const FwdParams& p, const Src& src, TaskPool* pool) const {
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
@@ -295,8 +338,6 @@ void Pass<Tag>::Forward(const FwdParams& p, TaskPool* pool) const {
     const DropoutDraw draw = dropout ? dropout_draw(p.dropout, b) : DropoutDraw{};
     const float inv_keep = 1.f / (1.f - p.dropout.rate);
     const T* qp = q + b * dm.q_batch_stride() + row0 * dm.q_row_stride() + h * D;
-    const T* kp = k + b * dm.k_batch_stride() + hk * D;
-    const T* vp = v + b * dm.k_batch_stride() + hk * D;
 
     LoadRowsT(tag, qp, valid, D, dm.q_row_stride(), p.scale, w.qt, nq);  // scale folded into Q once
     std::fill(w.o.data.begin(), w.o.data.end(), 0.f);
@@ -308,8 +349,8 @@ void Pass<Tag>::Forward(const FwdParams& p, TaskPool* pool) const {
     for (int64_t col0 = key_begin; col0 < key_end; col0 += bc) {  // fully masked blocks never visited
       const int64_t cols = std::min(bc, key_end - col0);
       if (!SegmentsMeet(mask, row0, valid, col0, cols)) continue;
-      const Rows kr = KeyRows(tag, kp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), W, w.kbuf);
-      const Rows vr = KeyRows(tag, vp + col0 * dm.k_row_stride(), cols, D, dm.k_row_stride(), W, w.vbuf);
+      const Rows kr = SourceRows(tag, src, k, b, hk, col0, cols, D, W, w.kbuf);
+      const Rows vr = SourceRows(tag, src, v, b, hk, col0, cols, D, W, w.vbuf);
       Gemm(kn, kr.ptr, kr.ld, 1, w.qt.ptr(), w.qt.ld, w.st.ptr(), w.st.ld, cols, nq, D, false);  // S^T = K Q^T
       const bool full = block_fully_visible(mask, row0, row0 + valid, col0, col0 + cols);
       CapAndMask(w.st.ptr(), w.st.ld, valid, cols, row0, col0, mask, full, p.softcap);
@@ -486,10 +527,20 @@ BlockSizes ComputeBlockSizes(int64_t /*head_dim*/) { return {64, 128}; }
 
 
 void Forward(const FwdParams& p, DType dtype, TaskPool* pool) {
+  const DenseKV src{p.dims.k_batch_stride(), p.dims.k_row_stride(), p.dims.head_dim};
   switch (dtype) {
-    case DType::kF32: return Pass<F32>(p.dims).Forward(p, pool);
-    case DType::kBF16: return Pass<BF16>(p.dims).Forward(p, pool);
-    case DType::kF16: return Pass<F16>(p.dims).Forward(p, pool);
+    case DType::kF32: return Pass<F32>(p.dims).Forward(p, src, pool);
+    case DType::kBF16: return Pass<BF16>(p.dims).Forward(p, src, pool);
+    case DType::kF16: return Pass<F16>(p.dims).Forward(p, src, pool);
+  }
+}
+
+void PagedForward(const FwdParams& p, const PagedKV& kv, DType dtype, TaskPool* pool) {
+  const PagedKVRows src{kv, p.dims.k_row_stride(), p.dims.head_dim};
+  switch (dtype) {
+    case DType::kF32: return Pass<F32>(p.dims).Forward(p, src, pool);
+    case DType::kBF16: return Pass<BF16>(p.dims).Forward(p, src, pool);
+    case DType::kF16: return Pass<F16>(p.dims).Forward(p, src, pool);
   }
 }
 

@@ -30,5 +30,7 @@ struct TaskPool {
 // pool: null runs everything on the calling thread.
 void Forward(const FwdParams& p, DType dtype, TaskPool* pool);
 void Backward(const BwdParams& p, DType dtype, TaskPool* pool);
+// The forward over a paged KV cache (p.k, p.v the caches; params.h has the layout). Forward only.
+void PagedForward(const FwdParams& p, const PagedKV& kv, DType dtype, TaskPool* pool);
 
 }  // namespace jaxflash::cpu

@@ -52,7 +52,7 @@ struct OptionOperands {
   ffi::Buffer<ffi::S32> kv_segment_ids;  // [..., Sk]
   ffi::Buffer<ffi::S32> q_lengths;       // [...]
   ffi::Buffer<ffi::S32> kv_lengths;      // [...]
-  ffi::Buffer<ffi::U32> dropout_state;   // [..., 3]: key words, batch index
+  ffi::Buffer<ffi::U32> dropout_state;   // [..., 5]: key words, batch index, first row and column
 };
 
 template <typename Binding>
@@ -206,13 +206,13 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
   return ffi::Error::Success();
 }
 
-// Dropout: rate in [0, 1); state [..., 3] uint32 (key words, batch index), read only when rate > 0.
+// Dropout: rate in [0, 1); state [..., kDropoutStateWords] uint32 (params.h), read only when rate > 0.
 inline ffi::Error ParseDropout(const char* target, ffi::Span<const int64_t> qd, const ffi::Buffer<ffi::U32>& state,
                                float rate, DropoutParams* dropout) {
   if (!(rate >= 0.f && rate < 1.f))
     return Invalid(target, "dropout_rate must be in [0, 1); got " + std::to_string(rate));
   std::vector<int64_t> want(qd.begin(), qd.end() - 3);
-  want.push_back(3);
+  want.push_back(kDropoutStateWords);
   if (auto e = CheckShape(target, "dropout_state", state.dimensions(), want); e.failure()) return e;
   dropout->rate = rate;
   // floor(rate * 2^32) < 2^32 for rate < 1 in float; double keeps it exact.

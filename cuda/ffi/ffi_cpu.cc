@@ -1,5 +1,5 @@
-// XLA FFI handlers of the CPU kernels (targets jaxflash_fwd / jaxflash_bwd, platform "cpu") and the
-// nanobind module that hands them to Python. Decode, check, fill params, call the kernel.
+// XLA FFI handlers of the CPU kernels (targets jaxflash_fwd, jaxflash_bwd and jaxflash_paged_fwd, platform
+// "cpu") and the nanobind module that hands them to Python. Decode, check, fill params, call the kernel.
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "decode.h"
+#include "decode_paged.h"
 #include "flash_cpu.h"
 #include "philox.h"
 
@@ -86,6 +87,49 @@ ffi::Error BwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyBuffer q, f
   return ffi::Error::Success();
 }
 
+// The block table and lengths live in host memory here, so they are checked before any page is read: a
+// length past the table's capacity or a page outside the cache is an error, never a stray read.
+ffi::Error CheckPages(const char* target, const FwdParams& p, const PagedKV& kv, int64_t num_pages) {
+  for (int64_t b = 0; b < p.dims.batch; ++b) {
+    const int64_t len = p.mask.kv_lengths[b];
+    if (len < 0 || len > p.dims.seqlen_k)
+      return Invalid(target, "kv_lengths[" + std::to_string(b) + "] must be in [0, " +
+                                 std::to_string(p.dims.seqlen_k) + "] (pages_per_seq x page_size); got " +
+                                 std::to_string(len));
+    for (int64_t i = 0; i < (len + kv.page_size - 1) / kv.page_size; ++i) {
+      const int64_t page = kv.block_table[b * kv.pages_per_seq + i];
+      if (page < 0 || page >= num_pages)
+        return Invalid(target, "block_tables[" + std::to_string(b) + ", " + std::to_string(i) + "] must be a page " +
+                                   "in [0, " + std::to_string(num_pages) + "); got " + std::to_string(page));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                       ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lengths,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse, PagedOptions opts) {
+  constexpr const char* kTarget = "jaxflash_paged_fwd";
+  FwdParams p;
+  PagedKV kv;
+  DType dtype;
+  if (auto e = ParsePagedFwd(kTarget, q, k_cache, v_cache, block_tables, kv_lengths, o, lse, opts, &p, &kv);
+      e.failure())
+    return e;
+  if (auto e = CheckHeadDim(kTarget, p.dims.head_dim); e.failure()) return e;
+  if (auto e = ToDType(kTarget, q.element_type(), &dtype); e.failure()) return e;
+  if (auto e = CheckPages(kTarget, p, kv, k_cache.dimensions()[0]); e.failure()) return e;
+  if (q.element_count() == 0) return ffi::Error::Success();
+  if (p.dims.seqlen_k == 0) {  // a table of no pages: nothing to attend to
+    std::memset(o->untyped_data(), 0, o->size_bytes());
+    std::fill_n(lse->typed_data(), lse->element_count(), -std::numeric_limits<float>::infinity());
+    return ffi::Error::Success();
+  }
+  XlaPool tasks(pool);
+  cpu::PagedForward(p, kv, dtype, &tasks);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxflash
 
@@ -96,6 +140,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCpu, jaxflash::FwdCpu,
                               jaxflash::BindFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCpu, jaxflash::BwdCpu,
                               jaxflash::BindBwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPagedFwdCpu, jaxflash::PagedFwdCpu,
+                              jaxflash::BindPagedFwd(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 NB_MODULE(_jaxflash_cpu, m) {
   m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
@@ -104,6 +150,7 @@ NB_MODULE(_jaxflash_cpu, m) {
     nb::dict d;
     d["jaxflash_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashFwdCpu));
     d["jaxflash_bwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashBwdCpu));
+    d["jaxflash_paged_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashPagedFwdCpu));
     return d;
   });
   m.def("block_sizes", [](int64_t head_dim) {
