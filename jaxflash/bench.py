@@ -13,6 +13,9 @@ Suites (`--suite`):
            the same implementation without a mask (fwd and fwd+bwd).
   dropout  D=128, S=16k, dropout_rate=0.1 against 0 (fwd and fwd+bwd).
   seed     D=128, N in {1k, 8k}: speedup and memory saved over standard attention (`xla`).
+  ring     ring attention over every device (two or more): B=1, H=16, D=128, S=128k (GPU; 1k on the CPU), causal,
+           `ring-zigzag` and `ring-contiguous` against `jaxflash` on one device, fwd and fwd+bwd; peak MB is per
+           device. The zigzag rows are timed on zigzag-ordered inputs (the permutation is the caller's, once).
 Implementations: jaxflash (`jaxflash-det`: deterministic=True, on request); standard attention (`reference`:
 jaxflash.reference, materialising jnp; `xla`: jax.nn.dot_product_attention's XLA path); cuDNN through jax.nn;
 flash_attn_jax, flash_attn3_jax (FlashAttention-3) and Pallas Triton when they import (GPU). A mask, dropout or
@@ -56,7 +59,7 @@ import numpy as np
 import jaxflash
 
 TOKENS, WIDTH = 16384, 2048
-SUITES = ("sweep", "targets", "masks", "dropout", "seed")
+SUITES = ("sweep", "targets", "masks", "dropout", "seed", "ring")
 PASSES = ("fwd", "fwdbwd")
 
 
@@ -119,6 +122,34 @@ def _jax_nn(implementation):
     return attn
 
 
+def _ring(layout):
+    """jaxflash.ring_attention over every device, the sequence axis split across them (inputs placed so by
+    `place`); with zigzag the inputs and outputs are in zigzag order."""
+    def attn(q, k, v, kw):
+        f = jax.shard_map(lambda q, k, v: jaxflash.ring_attention(q, k, v, axis_name="sp", layout=layout, **kw),
+                          mesh=_seq_mesh(), in_specs=(_SEQ,) * 3, out_specs=_SEQ)
+        return f(q, k, v)
+    return attn
+
+
+_SEQ = jax.sharding.PartitionSpec(None, "sp")
+
+
+def _seq_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()), ("sp",))
+
+
+RING = {"ring-zigzag": "zigzag", "ring-contiguous": "contiguous"}
+
+
+def place(impl, arrays):
+    """The inputs as `impl` takes them: split along the sequence over every device for the ring."""
+    if impl not in RING:
+        return arrays
+    sharding = jax.sharding.NamedSharding(_seq_mesh(), _SEQ)
+    return [jax.device_put(x, sharding) for x in arrays]
+
+
 # name -> (attention(q, k, v, kw), the keywords beyond `causal` it can express; "gqa": fewer key/value heads)
 IMPLS = {
     "jaxflash": (lambda q, k, v, kw: jaxflash.attention(q, k, v, **kw), None),
@@ -126,6 +157,7 @@ IMPLS = {
     "reference": (lambda q, k, v, kw: jaxflash.reference.attention(q, k, v, **kw), None),
     "xla": (_jax_nn("xla"), {"window", "gqa"}),
     "cudnn": (_jax_nn("cudnn"), {"window", "gqa"}),
+    **{name: (_ring(layout), None) for name, layout in RING.items()},
 }
 
 
@@ -153,7 +185,8 @@ def _add_peers():
         pass
 
 
-CHECK_LEN = {"pallas": 384}  # Pallas' mha needs S % 128 == 0
+CHECK_LEN = {"pallas": 384, "ring-zigzag": 384, "ring-contiguous": 384}  # Pallas' mha needs S % 128 == 0; the
+# ring, S % (2 x devices) == 0 (and keys per chunk % 4 for dropout)
 
 
 def supports(impl, kw):
@@ -231,8 +264,12 @@ def check_error(impl, case, pass_, hq, hkv, d, dtype):
     hq, hkv = (2, 2) if hq == hkv else (hq // hkv, 1)
     args = inputs(99, b, s, hq, hkv, d, dtype, pass_)
     kw = case.kwargs(b, s)
-    got = make_fn(impl, kw, pass_)(*args)
+    n = jax.device_count()
+    zz = impl == "ring-zigzag"
+    got = make_fn(impl, kw, pass_)(*place(impl, [jaxflash.zigzag(x, n) for x in args] if zz else args))
     got = [got] if pass_ == "fwd" else list(got)
+    if zz:
+        got = [jaxflash.unzigzag(g, n) for g in got]
     mask = np.asarray(jaxflash.reference.visible(s, s, causal=case.causal, window=kw.get("window"),
                                                  q_segment_ids=kw.get("q_segment_ids"),
                                                  kv_segment_ids=kw.get("kv_segment_ids")))
@@ -290,14 +327,15 @@ def device_ms(f, sets, reps):
     return statistics.median(times), "back-to-back"
 
 
-def interleaved_ms(fns, args, reps):
-    """Median wall time in ms of one call of each of `fns` on `args`, timed round-robin: `reps` rounds of one
-    synchronised call of each, the first of each round rotating, so load from other jobs hits all alike (CPU)."""
-    times = [[] for _ in fns]
+def interleaved_ms(calls, reps):
+    """Median wall time in ms of each (f, args) of `calls`, timed round-robin: `reps` rounds of one synchronised
+    call of each, the first of each round rotating, so load from other jobs hits all alike (CPU)."""
+    times = [[] for _ in calls]
     for r in range(reps):
-        for i in (np.arange(len(fns)) + r) % len(fns):
+        for i in (np.arange(len(calls)) + r) % len(calls):
+            f, args = calls[i]
             t0 = time.perf_counter()
-            jax.block_until_ready(fns[i](*args))
+            jax.block_until_ready(f(*args))
             times[i].append((time.perf_counter() - t0) * 1e3)
     return [statistics.median(t) for t in times]
 
@@ -362,12 +400,14 @@ TARGETS = {
     ("masks", "softcap", "fwdbwd", 128, 16384): (1 / 1.15, "x"),
     ("dropout", "dropout", "fwd", 128, 16384): (1 / 1.2, "x"),  # dropout costs at most 20% of the forward
     ("dropout", "dropout", "fwdbwd", 128, 16384): (1 / 1.25, "x"),  # and 25% of forward+backward
+    # ring-zigzag on two GPUs: at most 0.6x the single-GPU time of the same call (the `ring` impl's row)
+    ("ring", "causal", "fwdbwd", 128, 131072): (1 / 0.6, "x"),
 }
 
 
 def plan(args, gpu):
     """The jobs of args.suite, in run order."""
-    peers = [n for n in IMPLS if n not in ("jaxflash", "jaxflash-det", "reference", "cudnn", "xla")]
+    peers = [n for n in IMPLS if n not in ("jaxflash", "jaxflash-det", "reference", "cudnn", "xla", *RING)]
     impls = args.impls or (["jaxflash", "cudnn", "xla", *peers] if gpu else ["jaxflash", "xla"])
     # Standard attention, the baseline of the speedups: XLA's; on the CPU the reference when only it is asked for.
     standard = "reference" if not gpu and "reference" in impls and "xla" not in impls else "xla"
@@ -411,6 +451,16 @@ def plan(args, gpu):
         if args.suite == "dropout":  # only those that can drop out
             impls = [n for n in impls if supports(n, DROPOUT.kwargs(1, 16))]
         jobs = [job(args.suite, c, p, s, d, impls, base_case="full") for p in args.passes for s in seqs for c in cases]
+    elif args.suite == "ring":
+        if jax.device_count() < 2:
+            raise SystemExit("jaxflash.bench: --suite ring splits the sequence over two or more devices; this "
+                             f"process sees {jax.device_count()}")
+        names = args.impls or ["jaxflash", *RING]
+        b, h = args.batch or 1, args.heads or (16 if gpu else 2)
+        for pass_ in args.passes:
+            for s in args.seqlens or ([131072] if gpu else [1024]):
+                jobs.append(job("ring", CAUSAL, pass_, s, (args.head_dims or [128])[0], names, b=b, h=h,
+                                base_impl="jaxflash"))
     elif args.suite == "seed":
         names = [n for n in impls if n != standard] + [standard]  # the baseline last
         for pass_ in args.passes:
@@ -463,13 +513,14 @@ def run(jobs, args, dtype):
                     sets = [inputs(i, job.b, job.s, job.hq, job.hkv, job.d, dtype, job.pass_)
                             for i in range(1 if jax.default_backend() == "cpu" else 2)]
                 f = make_fn(impl, job.case.kwargs(job.b, job.s), job.pass_)
-                jax.block_until_ready(f(*sets[0]))  # compile and warm up
+                placed = [place(impl, a) for a in sets]
+                jax.block_until_ready(f(*placed[0]))  # compile and warm up
                 if cpu:
-                    ready.append((row, f))
+                    ready.append((row, f, placed[0]))
                     continue
-                _record(row, job, f, sets, *device_ms(f, sets, args.reps))
+                _record(row, job, f, placed, *device_ms(f, placed, args.reps))
                 if args.breakdown and impl.startswith("jaxflash"):
-                    for name, ms in kernel_breakdown(f, sets[0]):
+                    for name, ms in kernel_breakdown(f, placed[0]):
                         print(f"KERNEL impl={impl} case={job.case.label} pass={job.pass_} d={job.d} s={job.s} "
                               f"ms={ms:.4f} name={name[:90]}", flush=True)
             except NotImplementedError:  # a feature this backend does not have yet
@@ -481,9 +532,9 @@ def run(jobs, args, dtype):
                 print(f"# {impl} {job.case.label} {job.pass_} d={job.d} s={job.s}: {type(e).__name__}: "
                       f"{str(e)[:300]}", flush=True)
         if ready:
-            times = interleaved_ms([f for _, f in ready], sets[0], args.reps)
-            for (row, f), ms in zip(ready, times):
-                _record(row, job, f, sets, ms, "wall-interleaved")
+            times = interleaved_ms([(f, a) for _, f, a in ready], args.reps)
+            for (row, f, a), ms in zip(ready, times):
+                _record(row, job, f, [a], ms, "wall-interleaved")
         del sets, ready
     _compare(rows, jobs, cpu)
     return rows
@@ -524,7 +575,7 @@ def _compare(rows, jobs, cpu=False):
             r["mem_saved"] = base["peak_mb"] / r["peak_mb"]
         r["target"] = ""
         t = cpu_target(r) if cpu else TARGETS.get((r["suite"], r["case"], r["pass_"], r["d"], r["s"]))
-        if t and r["impl"] == "jaxflash" and r["status"] == "ok":
+        if t and r["impl"] == ("ring-zigzag" if r["suite"] == "ring" else "jaxflash") and r["status"] == "ok":
             goal, unit = t
             value = r["tflops"] if unit == "TF" else r["speedup"]
             r["target"] = f">= {goal:.3g}{'x' if unit == 'x' else ' TF/s'}: " + \

@@ -152,7 +152,7 @@ def test_cpu_timing_is_round_robin_with_a_rotating_first_call(monkeypatch):
         return f
 
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
-    ms = bench.interleaved_ms([impl(0), impl(1), impl(2)], (jnp.zeros(1),), 3)
+    ms = bench.interleaved_ms([(impl(i), (jnp.zeros(1),)) for i in range(3)], 3)
     assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1]  # one call of each per round, the first rotating
     assert ms == pytest.approx([1.0, 2.0, 3.0])  # the median per implementation
 
@@ -222,3 +222,21 @@ def test_gpu_targets_and_dropout_plans():
     assert {(c, p, d, s) for (suite, c, p, d, s) in bench.TARGETS if suite == "targets"} == shapes
     jobs = _gpu_plan(suite="dropout", passes=["fwd"])
     assert [(j.case.label, j.pass_) for j in jobs] == [("full", "fwd"), ("dropout", "fwd")]
+
+
+def test_ring_suite_on_simulated_devices(capsys):
+    """The ring suite times ring attention (both layouts) over every device against jaxflash on one, each first
+    checked against the float64 oracle (8 simulated CPU devices here)."""
+    assert jax.device_count() >= 2
+    assert bench.main(["--suite", "ring", "--seqlens", "256", "--head-dims", "32", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    for impl in ("jaxflash", "ring-zigzag", "ring-contiguous"):
+        for pass_ in ("fwd", "fwdbwd"):
+            assert f"# check {impl} causal {pass_} d=32: " in out and "CHECK FAILED" not in out
+            assert f"RESULT suite=ring case=causal impl={impl} pass={pass_} d=32 s=256 " in out
+
+
+def test_ring_suite_needs_two_devices(monkeypatch):
+    monkeypatch.setattr(bench.jax, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="two or more devices"):
+        _plan(False, suite="ring")
