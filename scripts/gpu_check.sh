@@ -14,14 +14,15 @@
 # exits 1 when any step failed (0 only when every step that ran passed).
 # Steps 2 and 3 run once per kernel family of JAXFLASH_TEST_FAMILIES (default "auto sm80": on a Hopper GPU "auto"
 # is the sm90 family where it has the configuration, "sm80" forces the mma.sync kernels).
-# Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), SKIP_BUILD=1, SKIP_SANITIZER=1,
+# Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), WHEEL_DIR (build a wheel there and install
+# it: one to carry to the next call), WHEEL (install that wheel, no build), SKIP_BUILD=1, SKIP_SANITIZER=1,
 # SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_PATHS (test files or folders relative to the repo, default
 # "tests"), PYTEST_ARGS (default "-n 8" when pytest-xdist is installed; "-n 16"
 # once ran out of GPU memory next to the 17 GB 64-bit-offset test). Timing on one H200 (16 cores): build
 # 136-145 s for 90a-real; per family, forward + backward tests ~210 s and masks + command buffers ~200 s with
 # -n 14; sanitizers ~30 s per family; the masks and dropout suites ~25 s with --impls jaxflash. Over the device
-# tool's 10-minute call limit, so run it there in parts (carry the wheel built by the first part, install it and
-# set SKIP_BUILD=1): one family and one half of the tests per call, e.g. JAXFLASH_TEST_FAMILIES=auto with
+# tool's 10-minute call limit, so run it there in parts (WHEEL_DIR=$OUT/w in the first part, then carry that
+# wheel and pass it as WHEEL): one family and one half of the tests per call, e.g. JAXFLASH_TEST_FAMILIES=auto with
 # PYTEST_PATHS="tests/test_gpu_forward.py tests/test_gpu_backward.py", then with PYTEST_PATHS=
 # "tests/test_gpu_masks.py tests/test_gpu_command_buffer.py", then the same for sm80.
 set -uo pipefail
@@ -43,11 +44,24 @@ fi
 
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null); $(nvcc --version | tail -1); \
 jax $("$PY" -c 'import jax; print(jax.__version__)' 2>/dev/null); commit $(git rev-parse --short HEAD 2>/dev/null)"
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
+if [ -n "${WHEEL:-}" ]; then  # a wheel built by an earlier call (WHEEL_DIR there), carried here: no build
+  if "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL" >"$LOG/build.log" 2>&1; then
+    verdict build "ok (installed $(basename "$WHEEL"))"
+  else
+    tail -20 "$LOG/build.log"; verdict build "FAIL (see build.log)"
+  fi
+elif [ "${SKIP_BUILD:-0}" != 1 ]; then
   echo "== build ($(nproc) cores)"
   start=$(date +%s)
-  if JAXFLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install --no-build-isolation --no-deps -v . \
-      >"$LOG/build.log" 2>&1; then
+  build() {  # with WHEEL_DIR, a wheel there first (to carry to the next call), then installed
+    export JAXFLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+    if [ -z "${WHEEL_DIR:-}" ]; then
+      "$PY" -m pip install --no-build-isolation --no-deps -v . && return
+    fi
+    "$PY" -m pip wheel --no-build-isolation --no-deps -v -w "$WHEEL_DIR" . &&
+      "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL_DIR"/jaxflash-*.whl
+  }
+  if build >"$LOG/build.log" 2>&1; then
     verdict build "ok ($(( $(date +%s) - start )) s)"
   else
     grep -E "error" "$LOG/build.log" | head -20; tail -20 "$LOG/build.log"; verdict build "FAIL (see build.log)"
@@ -63,7 +77,11 @@ paths=()
 for path in ${PYTEST_PATHS:-tests}; do paths+=("$REPO/$path"); done
 if "$PY" -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS-$default_pytest_args} "${paths[@]}" \
     >"$LOG/pytest.log" 2>&1; then
-  verdict "pytest -m gpu" "ok: $(tail -1 "$LOG/pytest.log")"
+  if grep -Eq '[0-9]+ passed' "$LOG/pytest.log"; then
+    verdict "pytest -m gpu" "ok: $(tail -1 "$LOG/pytest.log")"
+  else  # every test skipped (no GPU, or no CUDA module): nothing was checked
+    verdict "pytest -m gpu" "FAIL: no GPU test ran ($(tail -1 "$LOG/pytest.log"))"
+  fi
 else
   grep -E "^(FAILED|ERROR)|Error|assert" "$LOG/pytest.log" | head -30
   verdict "pytest -m gpu" "FAIL: $(tail -1 "$LOG/pytest.log")"
