@@ -74,10 +74,11 @@ __forceinline__ __device__ void mask_scores(TS& s, TC const& coords, const Batch
 // Shrinks [*b_begin, *b_end) to its first and last index whose id lies in [min, max] of a_ids[a_begin, a_end):
 // for packed documents (sorted ids) exactly the keys (or queries) that can meet the block; unsorted ids only
 // lose some of the skipping. Every thread of the block calls it; `scratch` is 4 ints of shared memory, free
-// again on return.
+// again on return. With `pure`, also says whether every a id and every b id in the narrowed range is one and
+// the same id: the ids then hide nothing inside that range (a document's interior blocks need no mask).
 template <int kThreads>
 __device__ void narrow_by_ids(const int32_t* a_ids, int64_t a_begin, int64_t a_end, const int32_t* b_ids,
-                              int64_t* b_begin, int64_t* b_end, int* scratch) {
+                              int64_t* b_begin, int64_t* b_end, int* scratch, bool* pure = nullptr) {
   const int tid = threadIdx.x, lane = tid % 32;
   if (tid == 0) {
     scratch[0] = INT_MAX;
@@ -121,6 +122,11 @@ __device__ void narrow_by_ids(const int32_t* a_ids, int64_t a_begin, int64_t a_e
   __syncthreads();
   first = scratch[2];
   last = scratch[3];
+  if (pure != nullptr) {
+    bool same = lo == hi;
+    for (int j = first + tid; same && j <= last; j += kThreads) same = b_ids[base + j] == lo;
+    *pure = __syncthreads_and(same) != 0 && last >= 0;
+  }
   __syncthreads();  // scratch is free again (it aliases a tile the caller loads next)
   if (last < 0) {
     *b_end = *b_begin;

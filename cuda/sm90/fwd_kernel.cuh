@@ -58,6 +58,7 @@ struct FwdSharedStorage {
   uint64_t v_partial;  // the partial V block lands here first, to be cleaned before v_full
   int scratch[4];      // narrow_by_ids
   int64_t first_keys[2];  // the first tile's key range after narrowing by segment ids
+  bool first_pure;        // and whether the ids hide nothing inside it
 };
 
 // One batch of wgmmas: acc (+)= A·B over the K mode, issued and committed but not waited for.
@@ -98,6 +99,7 @@ struct FwdTile {
   int64_t m_block, head, batch, head_k;
   int64_t m0, m_end;
   int64_t key_begin, key_end;  // visible keys; narrowed by segment ids before the roles split
+  bool pure = false;           // segment ids: one id for every row and every key of [key_begin, key_end)
   BatchMask bm;
   int n_block_min, n_block_max;
 
@@ -165,10 +167,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     FwdTile t = fwd_tile<kM, kN>(p, blockIdx.x);
     if (t.key_begin < t.key_end)
       narrow_by_ids<Tr::kNThreads>(t.bm.q_seg, t.m0, cute::min(t.m_end, t.bm.q_len), t.bm.kv_seg, &t.key_begin,
-                                   &t.key_end, ss.scratch);
+                                   &t.key_end, ss.scratch, &t.pure);
     if (tid == 0) {
       ss.first_keys[0] = t.key_begin;
       ss.first_keys[1] = t.key_end;
+      ss.first_pure = t.pure;
     }
   }
   auto tile_at = [&](int64_t tile) {
@@ -176,6 +179,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     if (segments && tile == blockIdx.x) {
       t.key_begin = ss.first_keys[0];
       t.key_end = ss.first_keys[1];
+      t.pure = ss.first_pure;
     }
     set_block_range(t, kN);
     return t;
@@ -310,10 +314,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     float correction[kRows];
     clear(acc_o);
 
+    // Segment ids need the per-element mask except on a pure tile's blocks that lie inside its key range.
     auto block_needs_mask = [&](int i) {
       const int64_t n0 = int64_t(t.n_block_max - 1 - i) * kN;
-      return segments || n0 + kN > t.bm.kv_len || t.m_end > t.bm.q_len ||
-             !block_fully_visible(t.bm.m, t.m0, t.m_end, n0, n0 + kN);
+      return (segments && !(t.pure && n0 >= t.key_begin && n0 + kN <= t.key_end)) || n0 + kN > t.bm.kv_len ||
+             t.m_end > t.bm.q_len || !block_fully_visible(t.bm.m, t.m0, t.m_end, n0, n0 + kN);
     };
     // S_i (raw Q·Kᵀ, landed) -> unnormalised probabilities in s_rc; returns whether a row max moved.
     auto scores_to_probs = [&](int i, auto masked) __attribute__((always_inline)) {
@@ -321,7 +326,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       if (softcap > 0.f) softcap_scores(acc_s, p.scale, softcap);
       if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, t.bm, t.m0, n0);
       const bool moved = softmax.update_max(s_rc, scale_log2, correction);
-      softmax.exponentiate(s_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
+      // The row sums see P before dropout: the LSE is undropped.
+      softmax.template exponentiate<kExtras ? Tr::kFmaExp2Extras : Tr::kFmaExp2>(s_rc, scale_log2);
       if (dropout) {
         for_each_keep(c_rc, draw, uint32_t(t.head), t.m0, n0, [&](int r, int c, bool keep) {
           if (!keep) s_rc(r, c) = 0.f;
