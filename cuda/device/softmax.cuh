@@ -4,8 +4,7 @@
 // atom, rows {r, r+8} x columns {c, c+1}. The four threads of a quad (lanes 4k..4k+3) share rows, so a row
 // reduction is a reduction over the thread's own columns plus two xor-shuffles.
 //
-// Numerics: p = exp2(s·scale·log2(e) − m·scale·log2(e)) is one FFMA and one MUFU.EX2 per score (or, for a
-// share of the columns, exp2_fma on the FMA pipe). The row
+// Numerics: p = exp2(s·scale·log2(e) − m·scale·log2(e)) is one FFMA and one MUFU.EX2 per score. The row
 // sum stays a per-thread partial sum until `finalize` (every term of a row shares the same max, so the
 // partial sums of a quad rescale identically). A row whose max is still −inf (every key so far masked)
 // uses 0 as its max in the exponent, so exp2(−inf − 0) = 0 and no inf − inf = NaN arises; such a row ends
@@ -38,22 +37,6 @@ __forceinline__ __device__ auto rowcol_layout(Layout const& acc) {
 template <class Tensor>
 __forceinline__ __device__ auto rowcol(Tensor&& t) {
   return cute::make_tensor(t.data(), rowcol_layout(t.layout()));
-}
-
-// 2^x for x <= 0 on the FMA pipe, with no MUFU.EX2: x = j + f with j an integer (rounded by adding
-// 1.5·2^23) and |f| <= 1/2, 2^f by a degree-4 polynomial (fitted here for relative error < 3e-6 in float32,
-// far below the bf16 rounding of P), 2^j built in the exponent bits. Where MUFU is the busy pipe (d=64 tiles,
-// softcap's tanh) the softmax moves a share of its exponentials here. −inf and anything below −127 give
-// exactly 0; NaN stays NaN (the clamp is max.NaN, and the last step a multiply).
-__forceinline__ __device__ float exp2_fma(float x) {
-  asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // −127
-  const float t = __fadd_rn(x, 12582912.f);          // x rounded to an integer j, in t's low mantissa bits
-  const float f = __fsub_rn(x, __fsub_rn(t, 12582912.f));
-  float p = fmaf(9.5828539e-3f, f, 5.5906471e-2f);
-  p = fmaf(p, f, 2.4024099e-1f);
-  p = fmaf(p, f, 6.9312418e-1f);
-  p = fmaf(p, f, 1.f);
-  return p * __uint_as_float((__float_as_uint(t) << 23) + (127u << 23));  // · 2^j (0 for j = −127)
 }
 
 template <int kNRows>
@@ -114,9 +97,8 @@ struct OnlineSoftmax {
     }
   }
 
-  // ... and s -> exp(s − m_new), added to the row sums. kFmaPer4 of every 4 columns use exp2_fma, the rest
-  // MUFU.EX2.
-  template <int kFmaPer4 = 0, class TS>
+  // ... and s -> exp(s − m_new), added to the row sums.
+  template <class TS>
   __forceinline__ __device__ void exponentiate(TS& s, float scale_log2) {
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
@@ -125,8 +107,7 @@ struct OnlineSoftmax {
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < cute::size<1>(s); ++c) {
-        const float x = fmaf(s(r, c), scale_log2, -m_scaled);
-        const float p = c % 4 < kFmaPer4 ? exp2_fma(x) : exp2f(x);
+        const float p = exp2f(fmaf(s(r, c), scale_log2, -m_scaled));
         s(r, c) = p;
         sum += p;
       }

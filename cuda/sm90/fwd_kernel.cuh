@@ -326,8 +326,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       if (softcap > 0.f) softcap_scores(acc_s, p.scale, softcap);
       if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, t.bm, t.m0, n0);
       const bool moved = softmax.update_max(s_rc, scale_log2, correction);
-      // The row sums see P before dropout: the LSE is undropped.
-      softmax.template exponentiate<kExtras ? Tr::kFmaExp2Extras : Tr::kFmaExp2>(s_rc, scale_log2);
+      softmax.exponentiate(s_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
       if (dropout) {
         for_each_keep(c_rc, draw, uint32_t(t.head), t.m0, n0, [&](int r, int c, bool keep) {
           if (!keep) s_rc(r, c) = 0.f;

@@ -25,25 +25,17 @@ using namespace cute;
 template <int kHeadDim>
 struct TileConfig;
 
-// kFmaExp2: of every 4 score columns, how many exponentials run on the FMA pipe instead of MUFU (softmax.cuh
-// exp2_fma), in the plain kernel and in the extras one (where softcap adds a MUFU.TANH per score). Per
-// consumer warpgroup and block, MUFU (16 a clock per SM) needs 64·kBlockN/4 clocks per warp for the
-// exponentials, the other warpgroup's two GEMMs 2·64·kBlockN·d·2/4096: equal at d=64, half at d=128; softcap
-// doubles the MUFU side.
 template <>
 struct TileConfig<64> {
   static constexpr int kBlockM = 128, kBlockN = 192, kStages = 2;
-  static constexpr int kFmaExp2 = 2, kFmaExp2Extras = 4;
 };
 template <>
 struct TileConfig<128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
-  static constexpr int kFmaExp2 = 0, kFmaExp2Extras = 3;
 };
 template <>
 struct TileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
-  static constexpr int kFmaExp2 = 0, kFmaExp2Extras = 2;
 };
 
 // The widest swizzle whose atom row (8 rows x 128, 64 or 32 bytes) divides the head dim: wgmma reads it
@@ -62,8 +54,6 @@ struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = TileConfig<kHeadDim_>::kBlockM, kBlockN = TileConfig<kHeadDim_>::kBlockN;
   static constexpr int kStages = TileConfig<kHeadDim_>::kStages;
-  static constexpr int kFmaExp2 = TileConfig<kHeadDim_>::kFmaExp2;
-  static constexpr int kFmaExp2Extras = TileConfig<kHeadDim_>::kFmaExp2Extras;
   static constexpr int kMmaWarpGroups = kBlockM / 64;  // wgmma's M is 64: one warpgroup per 64 query rows
   static constexpr int kMmaThreads = kMmaWarpGroups * 128;
   static constexpr int kNThreads = kMmaThreads + 128;  // + the producer warpgroup
