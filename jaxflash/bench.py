@@ -660,7 +660,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, help="default: 16384 / S on a GPU, 1 on the CPU")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 GPU, float32 CPU")
     p.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
-    p.add_argument("--reps", type=int, default=None, help="timed calls per input set (default: 10 on a GPU, which times 2 sets; 20 on the CPU)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed calls per input set (default: 10 on a GPU, which times 2 sets; 20 on the CPU)")
     p.add_argument("--quick", action="store_true", help="GPU sweep: D in {64, 128}, S in {1k, 16k}, no extras")
     p.add_argument("--xla-max-seq", type=int, help="skip the materialising impls above this S (default 8k fwd, "
                                                     "4k fwd+bwd; GPU)")
