@@ -8,11 +8,19 @@ README there). Prints the two loss curves side by side (the mean loss of each wi
 tokens/s and peak memory (XLA's buffer assignment of the compiled train step), and exits 1 if the window
 means differ by more than the tolerance.
 The defaults run in about a minute on a CPU; `--large` is a GPU-sized model (bf16 attention inputs).
+
+`--generate` trains the jaxflash model alone, then continues a few prompts from the text greedily, twice: with a
+paged KV cache (`jaxflash.append_kv` + `jaxflash.paged_attention`, pages handed out in shuffled order) and with a
+contiguous cache read by `jax.nn.dot_product_attention`. Prompts are prefilled in one call, then one token per
+call. Prints the continuations and tokens/s of both, checks the paged cache's tokens against the contiguous
+cache's and against the model run without a cache on the whole text, and exits 1 if they differ (unless at a near
+tie of the two best logits, which bf16 rounding may break either way).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.resources
 import sys
 import time
@@ -27,10 +35,13 @@ from jaxflash.bench import peak_mb
 
 try:
     import flax.linen as nn
+    from flax import struct
     import optax
 except ImportError as e:  # pragma: no cover
     raise SystemExit(f"jaxflash.demo needs flax (pip install flax): {e}") from e
 
+
+# --- the model --------------------------------------------------------------------------------------------
 
 def flash(q, k, v):
     return jaxflash.attention(q, k, v, causal=True)
@@ -46,12 +57,18 @@ class Block(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, cache=None):
+        """x [B, S, W] -> (x, cache). With a KV cache, x is the tokens after the cached ones, and the cache's
+        `attend` stores their keys and values and attends to everything cached so far."""
         b, s, w = x.shape
         qkv = nn.Dense(3 * w, use_bias=False)(nn.LayerNorm()(x)).reshape(b, s, 3, self.heads, w // self.heads)
         q, k, v = (qkv[:, :, i].astype(self.dtype) for i in range(3))  # [B, S, H, D], as jaxflash takes them
-        x = x + nn.Dense(w)(self.attention(q, k, v).astype(x.dtype).reshape(b, s, w))
-        return x + nn.Dense(w)(nn.gelu(nn.Dense(4 * w)(nn.LayerNorm()(x))))
+        if cache is None:
+            o = self.attention(q, k, v)
+        else:
+            o, cache = cache.attend(q, k, v)
+        x = x + nn.Dense(w)(o.astype(x.dtype).reshape(b, s, w))
+        return x + nn.Dense(w)(nn.gelu(nn.Dense(4 * w)(nn.LayerNorm()(x)))), cache
 
 
 class GPT(nn.Module):
@@ -64,12 +81,17 @@ class GPT(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, caches=None, start=0):
+        """Logits of `tokens` [B, S]; with `caches` (one per layer), the tokens sit at positions start ..
+        start + S - 1 after the cached ones, and the result is (logits, updated caches)."""
         pos = self.param("pos", nn.initializers.normal(0.02), (self.seq, self.width))
-        x = nn.Embed(self.vocab, self.width)(tokens) + pos[: tokens.shape[1]]
-        for _ in range(self.layers):
-            x = Block(self.heads, self.attention, self.dtype)(x)
-        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+        x = nn.Embed(self.vocab, self.width)(tokens) + jax.lax.dynamic_slice_in_dim(pos, start, tokens.shape[1])
+        updated = []
+        for i in range(self.layers):
+            x, cache = Block(self.heads, self.attention, self.dtype)(x, None if caches is None else caches[i])
+            updated.append(cache)
+        logits = nn.Dense(self.vocab)(nn.LayerNorm()(x))
+        return logits if caches is None else (logits, updated)
 
 
 @dataclasses.dataclass
@@ -102,7 +124,7 @@ def batches(data, cfg):
 
 
 def train(cfg, attention, params, data, vocab):
-    """Losses per step, tokens/s (after the compiling first step) and the train step's peak MB."""
+    """Losses per step, tokens/s (after the compiling first step), the train step's peak MB, trained params."""
     model = GPT(vocab, cfg.width, cfg.heads, cfg.layers, cfg.seq, attention, jnp.dtype(cfg.dtype))
     opt = optax.adamw(cfg.lr)
 
@@ -128,12 +150,11 @@ def train(cfg, attention, params, data, vocab):
             t0 = time.perf_counter()
     jax.block_until_ready(losses[-1])
     tokens_per_s = (cfg.steps - 1) * cfg.batch * cfg.seq / max(time.perf_counter() - t0, 1e-9)
-    return np.asarray(jax.device_get(losses), np.float64), tokens_per_s, mem
+    return np.asarray(jax.device_get(losses), np.float64), tokens_per_s, mem, params
 
 
-def run(cfg, every=25, out=print):
-    """Both trainings; returns (flash losses, standard losses, max relative difference of the means over
-    windows of `every` steps, tolerance)."""
+def setup(cfg, out):
+    """The text, its symbols, the text as symbol ids, and the model's initial weights (printed)."""
     text = load_text()
     chars = sorted(set(text))
     data = np.array([chars.index(c) for c in text], np.int32)
@@ -143,9 +164,16 @@ def run(cfg, every=25, out=print):
     out(f"jaxflash.demo: char-level GPT on Coriolanus ({len(text):,} chars, {len(chars)} symbols), {n_params:,} "
         f"parameters: {cfg.layers} layers, width {cfg.width}, {cfg.heads} heads (D={cfg.width // cfg.heads}), seq "
         f"{cfg.seq}, batch {cfg.batch}, {cfg.steps} steps, attention in {cfg.dtype}, on {jax.devices()[0].device_kind}")
+    return text, chars, data, params
+
+
+def run(cfg, every=25, out=print):
+    """Both trainings; returns (flash losses, standard losses, max relative difference of the means over
+    windows of `every` steps, tolerance)."""
+    text, chars, data, params = setup(cfg, out)
     runs = {name: train(cfg, fn, params, data, len(chars)) for name, fn in (("jaxflash", flash),
                                                                            ("standard", standard))}
-    (lf, tf, mf), (ls, ts, ms) = runs["jaxflash"], runs["standard"]
+    (lf, tf, mf, _), (ls, ts, ms, _) = runs["jaxflash"], runs["standard"]
     # Curves are compared as means over windows of `every` steps: the two attentions agree to ~1e-7 (float32)
     # per call, but training amplifies any difference step by step, and in bfloat16 (p rounded differently by
     # the two) single steps of the two runs drift apart by a few percent within a few hundred steps.
@@ -165,12 +193,139 @@ def run(cfg, every=25, out=print):
     return lf, ls, float(diff.max()), tol
 
 
+# --- generation with a KV cache ---------------------------------------------------------------------------
+
+@struct.dataclass
+class PagedCache:
+    """One layer's keys and values in pages [num_pages, page_size, H, D], found through the block table."""
+    key: jax.Array
+    value: jax.Array
+    tables: jax.Array  # int32 [B, pages per sequence]
+    lengths: jax.Array  # int32 [B]: tokens cached per sequence
+
+    def attend(self, q, k, v):
+        key, value, lengths = jaxflash.append_kv(self.key, self.value, self.tables, self.lengths, k, v)
+        o = jaxflash.paged_attention(q, key, value, self.tables, lengths, causal=True)
+        return o, PagedCache(key, value, self.tables, lengths)
+
+
+@struct.dataclass
+class ContiguousCache:
+    """One layer's keys and values in [B, seq, H, D]; every sequence holds `length` tokens."""
+    key: jax.Array
+    value: jax.Array
+    length: jax.Array  # int32 scalar
+
+    def attend(self, q, k, v):
+        key = jax.lax.dynamic_update_slice_in_dim(self.key, k, self.length, axis=1)
+        value = jax.lax.dynamic_update_slice_in_dim(self.value, v, self.length, axis=1)
+        rows = self.length + jnp.arange(q.shape[1])  # the new tokens' positions; each sees itself and before
+        mask = jnp.arange(key.shape[1])[None, :] <= rows[:, None]
+        o = jax.nn.dot_product_attention(q, key, value, mask=mask[None, None], implementation="xla")
+        return o, ContiguousCache(key, value, self.length + q.shape[1])
+
+
+def paged_caches(cfg, batch, page_size, rng):
+    """Empty paged caches for every layer, sharing one block table whose pages come in shuffled order."""
+    tables, num_pages = jaxflash.paged.simple_block_tables(batch, cfg.seq, page_size)
+    tables = jnp.asarray(rng.permutation(num_pages), jnp.int32)[tables]
+    shape = (num_pages, page_size, cfg.heads, cfg.width // cfg.heads)
+    # Separate arrays everywhere: the decoding step donates the caches, and a buffer can be donated only once.
+    return [PagedCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype), jnp.array(tables),
+                       jnp.zeros(batch, jnp.int32)) for _ in range(cfg.layers)]
+
+
+def contiguous_caches(cfg, batch):
+    shape = (batch, cfg.seq, cfg.heads, cfg.width // cfg.heads)
+    return [ContiguousCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype), jnp.zeros((), jnp.int32))
+            for _ in range(cfg.layers)]
+
+
+def generate(model, params, caches, prompts, new_tokens):
+    """Greedy continuation of `prompts` [B, P]: the prompt in one call, then one token per call. Returns the new
+    tokens [B, new_tokens], the top-two logit margin at each step, and tokens/s of the one-token calls after the
+    first (which compiles)."""
+    @jax.jit
+    def prefill(params, caches, prompt):
+        logits, caches = model.apply(params, prompt, caches, 0)
+        return logits[:, -1], caches
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(params, caches, token, start):
+        logits, caches = model.apply(params, token[:, None], caches, start)
+        return logits[:, -1], caches
+
+    logits, caches = prefill(params, caches, prompts)
+    tokens, margins, t0 = [], [], None
+    for i in range(new_tokens):
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        top2 = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
+        tokens.append(token)
+        margins.append(top2[:, 0] - top2[:, 1])
+        if i + 1 < new_tokens:
+            logits, caches = step(params, caches, token, jnp.int32(prompts.shape[1] + i))
+        if i == 0:
+            jax.block_until_ready(logits)
+            t0 = time.perf_counter()
+    jax.block_until_ready(tokens[-1])
+    steps = max(new_tokens - 2, 1)  # the timed one-token calls
+    tokens_per_s = steps * prompts.shape[0] / max(time.perf_counter() - t0, 1e-9)
+    return np.stack(jax.device_get(tokens), 1), np.stack(jax.device_get(margins), 1), tokens_per_s
+
+
+def run_generate(cfg, prompt_len=32, new_tokens=96, page_size=16, num_prompts=4, out=print):
+    """Train with jaxflash, then generate through both caches, and check the paged one's tokens against the
+    contiguous one's and against the model without a cache. Returns (paged tokens, contiguous tokens, whether all
+    agree: equal, or first differing at a near tie)."""
+    text, chars, data, params = setup(cfg, out)
+    _, _, _, params = train(cfg, flash, params, data, len(chars))
+    rng = np.random.default_rng(cfg.seed)
+    starts = rng.integers(0, len(data) - prompt_len, num_prompts)
+    prompts = jnp.asarray(np.stack([data[s:s + prompt_len] for s in starts]))
+    model = GPT(len(chars), cfg.width, cfg.heads, cfg.layers, cfg.seq, flash, jnp.dtype(cfg.dtype))
+    out(f"\ntrained {cfg.steps} steps with jaxflash; {num_prompts} prompts of {prompt_len} characters from the text, "
+        f"{new_tokens} new characters each, greedy")
+    paged, _, paged_tps = generate(model, params, paged_caches(cfg, num_prompts, page_size, rng), prompts,
+                                   new_tokens)
+    contiguous, margins, contiguous_tps = generate(model, params, contiguous_caches(cfg, num_prompts), prompts,
+                                                   new_tokens)
+    for b in range(num_prompts):
+        prompt = "".join(chars[c] for c in np.asarray(prompts[b]))
+        out(f"\n[{b}] {prompt!r}\n -> {''.join(chars[c] for c in paged[b])!r}")
+    out(f"\n{'':44}{'tokens/s':>10}")
+    out(f"{f'paged cache ({page_size}-token pages), jaxflash':44}{paged_tps:10,.0f}")
+    out(f"{'contiguous cache, jax.nn (xla)':44}{contiguous_tps:10,.0f}\n")
+    # Without a cache: the whole text so far through the model in one call must predict the same characters.
+    logits = model.apply(params, jnp.concatenate([prompts, jnp.asarray(paged)], 1)[:, :-1])[:, prompt_len - 1:]
+    uncached = np.asarray(jnp.argmax(logits, -1))
+    uncached_margins = np.asarray(-jnp.diff(jax.lax.top_k(logits.astype(jnp.float32), 2)[0], axis=-1)[..., 0])
+    tie = 1e-3 if cfg.dtype == "float32" else 0.1
+    agree = True
+    for name, other, m in (("contiguous cache", contiguous, margins), ("no cache", uncached, uncached_margins)):
+        differ = np.argwhere(paged != other)
+        if not len(differ):
+            out(f"tokens, paged vs {name}: identical ({paged.size} of {paged.size})")
+            continue
+        b, i = differ[np.argmin(differ[:, 1])]  # the earliest step where a sequence differs
+        near = m[b, i] <= tie
+        agree &= bool(near)
+        out(f"tokens, paged vs {name}: {int((paged == other).sum())} of {paged.size} equal; first difference at "
+            f"step {i} of prompt {b}, where the two best logits were {m[b, i]:.2e} apart: "
+            f"{f'a near tie (<= {tie:g})' if near else 'DIFFERENT'}")
+    return paged, contiguous, agree
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m jaxflash.demo", description=__doc__.splitlines()[0])
     p.add_argument("--large", action="store_true", help=f"a GPU-sized run: {LARGE}")
     for f in dataclasses.fields(Config):
         p.add_argument(f"--{f.name}", type=type(f.default) if f.name != "dtype" else str, default=None)
     p.add_argument("--every", type=int, default=25, help="steps per printed (and compared) window")
+    p.add_argument("--generate", action="store_true",
+                   help="train with jaxflash, then generate through a paged and a contiguous KV cache")
+    p.add_argument("--prompt-len", type=int, default=32, help="--generate: characters per prompt")
+    p.add_argument("--new-tokens", type=int, default=96, help="--generate: characters to generate per prompt")
+    p.add_argument("--page-size", type=int, default=16, help="--generate: tokens per page")
     args = p.parse_args(argv)
     if args.every < 1:
         p.error(f"--every must be >= 1; got {args.every}")
@@ -178,6 +333,18 @@ def main(argv=None):
     for f in dataclasses.fields(Config):
         if getattr(args, f.name) is not None:
             setattr(cfg, f.name, getattr(args, f.name))
+    if args.generate:
+        if args.prompt_len < 1 or args.new_tokens < 1 or args.prompt_len + args.new_tokens > cfg.seq:
+            p.error(f"--prompt-len and --new-tokens must be >= 1 and together at most --seq ({cfg.seq}); got "
+                    f"{args.prompt_len} and {args.new_tokens}")
+        if args.page_size % 8 or not 8 <= args.page_size <= 256:
+            p.error(f"--page-size must be a multiple of 8 in [8, 256]; got {args.page_size}")
+        try:
+            _, _, agree = run_generate(cfg, args.prompt_len, args.new_tokens, args.page_size)
+        except NotImplementedError as e:  # the paged kernel of this platform is missing
+            print(f"jaxflash.demo --generate: {e}", file=sys.stderr)
+            return 2
+        return 0 if agree else 1
     _, _, diff, tol = run(cfg, args.every)
     return 0 if diff <= tol else 1
 
