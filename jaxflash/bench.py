@@ -13,6 +13,12 @@ Suites (`--suite`):
            the same implementation without a mask (fwd and fwd+bwd).
   dropout  D=128, S=16k, dropout_rate=0.1 against 0 (fwd and fwd+bwd).
   seed     D=128, N in {1k, 8k}: speedup and memory saved over standard attention (`xla`).
+  decode   one new token (or 4: a speculative draft) against a long KV cache, Hq=32, Hkv=8, D=128: B=1 Sk=128k,
+           B=8 Sk=32k, B=64 Sk=4k, B=8 Sq=4 Sk=32k (CPU: Hq=8, Hkv=2, B=1 Sk=16k, B=8 Sk=4k, B=8 Sq=4 Sk=4k);
+           jaxflash.attention on the contiguous cache, jaxflash.paged_attention on 16- and 64-token pages
+           (shuffled), cuDNN and XLA through jax.nn. Reports GB/s of K + V + Q + O and of K + V alone, the paged
+           rows against the contiguous one and, on a GPU, the targets (K + V read at 3.5 to 4 TB/s, paged within
+           10 % of contiguous). `--seqlens` replaces the cache lengths (Sq 1 and 4 each, B = `--batch` or 1).
   ring     ring attention over every device (two or more): B=1, H=16, D=128, S=128k (GPU; 1k on the CPU), causal,
            `ring-zigzag` and `ring-contiguous` against `jaxflash` on one device, fwd and fwd+bwd; peak MB is per
            device. The zigzag rows are timed on zigzag-ordered inputs (the permutation is the caller's, once).
@@ -59,7 +65,7 @@ import numpy as np
 import jaxflash
 
 TOKENS, WIDTH = 16384, 2048
-SUITES = ("sweep", "targets", "masks", "dropout", "seed", "ring")
+SUITES = ("sweep", "targets", "masks", "dropout", "seed", "ring", "decode")
 PASSES = ("fwd", "fwdbwd")
 
 
@@ -582,6 +588,142 @@ def _compare(rows, jobs, cpu=False):
                 ("met" if value >= goal else f"short {100 * (1 - value / goal):.1f}%")
 
 
+# --- the decode suite: bandwidth, not FLOPs ---------------------------------------------------------------
+
+DECODE_GPU = dict(heads=(32, 8), shapes=[(1, 1, 131072), (8, 1, 32768), (64, 1, 4096), (8, 4, 32768)])
+DECODE_CPU = dict(heads=(8, 2), shapes=[(1, 1, 16384), (8, 1, 4096), (8, 4, 4096)])
+# (B, Sq, Sk) -> TB/s of K and V read by jaxflash.attention on an H100/H200; the paged rows within 10 % of it.
+DECODE_TARGETS = {(1, 1, 131072): 3.8, (8, 1, 32768): 4.0, (64, 1, 4096): 3.8, (8, 4, 32768): 3.5}
+PAGED_WITHIN = 0.9
+DECODE_IMPLS = ("jaxflash", "jaxflash-paged16", "jaxflash-paged64", "cudnn", "xla")
+
+
+def paged_copy(k, v, page_size, seed=0):
+    """k, v [B, S, H, D] as paged caches with a shuffled block table: (key_cache, value_cache, block_tables,
+    kv_lengths), sequence b's token t in page block_tables[b, t // page_size]."""
+    b, s, h, d = k.shape
+    n = -(-s // page_size)
+    tables = jnp.asarray(np.random.default_rng(seed).permutation(b * n).reshape(b, n), jnp.int32)
+    pad = [(0, 0), (0, n * page_size - s), (0, 0), (0, 0)]
+
+    def cache(x):
+        pages = jnp.pad(x, pad).reshape(b * n, page_size, h, d)
+        return jnp.zeros_like(pages).at[tables.reshape(-1)].set(pages)
+
+    return cache(k), cache(v), tables, jnp.full((b,), s, jnp.int32)
+
+
+def decode_fn(impl):
+    """(jitted attention, how it takes its inputs from (q, k, v))."""
+    if impl.startswith("jaxflash-paged"):
+        page = int(impl.removeprefix("jaxflash-paged"))
+        return (jax.jit(lambda q, kc, vc, t, n: jaxflash.paged_attention(q, kc, vc, t, n)),
+                lambda q, k, v: (q, *paged_copy(k, v, page)))
+    if impl == "jaxflash":
+        return jax.jit(lambda q, k, v: jaxflash.attention(q, k, v)), lambda q, k, v: (q, k, v)
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl)), \
+        lambda q, k, v: (q, k, v)
+
+
+def run_decode(args, dtype, gpu):
+    """Check each implementation on a small cache against the float64 oracle, then time every shape."""
+    cfg = DECODE_GPU if gpu else DECODE_CPU
+    hq, hkv = cfg["heads"]
+    d = (args.head_dims or [128])[0]
+    impls = [n for n in (args.impls or DECODE_IMPLS) if gpu or n != "cudnn"]
+    shapes = ([(args.batch or b, sq, s) for b, sq, s in cfg["shapes"]] if not args.seqlens else
+              [(args.batch or 1, sq, s) for s in args.seqlens for sq in (1, 4)])
+    tol = 1e-3 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+    status = {}
+    for impl in impls:  # one check per implementation: B=2, Sq=3, 300 cached tokens (a partial last page)
+        f, prep = decode_fn(impl)
+        q, k, v = inputs(99, 2, 300, hq, hkv, d, dtype, "fwd")
+        q = q[:, :3]
+        try:
+            got = f(*prep(q, k, v))
+        except NotImplementedError:
+            status[impl] = "n/a (not implemented)"
+            continue
+        except Exception as e:  # noqa: BLE001  (a peer that fails)
+            status[impl] = f"error: {type(e).__name__}"
+            print(f"# {impl} decode: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        want = oracle(q, k, v, None, mask=np.ones((1, 1, 3, 300), bool))[0]
+        err = float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+        status[impl] = "ok" if err <= tol else f"WRONG (error {err:.2e} > {tol})"
+        print(f"# check {impl} decode d={d}: max rel error {err:.2e} vs the float64 oracle: "
+              f"{'ok' if err <= tol else 'CHECK FAILED'}", flush=True)
+    rows = []
+    for b, sq, s in shapes:
+        sets = [inputs(i, b, s, hq, hkv, d, dtype, "fwd") for i in range(2 if gpu else 1)]  # caches > L2
+        sets = [(q[:, :sq], k, v) for q, k, v in sets]
+        q, k, _ = sets[0]
+        nbytes = (2 * k.size + 2 * q.size) * jnp.dtype(dtype).itemsize  # K + V + Q + O
+        kv_bytes = 2 * k.size * jnp.dtype(dtype).itemsize
+        ready = []
+        for impl in impls:
+            row = dict(suite="decode", impl=impl, b=b, sq=sq, s=s, hq=hq, hkv=hkv, d=d, dtype=jnp.dtype(dtype).name,
+                       status=status[impl], ms=float("nan"), gbps=float("nan"), kv_gbps=float("nan"), target="")
+            rows.append(row)
+            if row["status"] != "ok":
+                continue
+            print(f"[decode] b={b} sq={sq} sk={s} h={hq}/{hkv} {impl}", file=sys.stderr, flush=True)
+            f, prep = decode_fn(impl)
+            try:
+                placed = [jax.block_until_ready(prep(*x)) for x in sets]
+                jax.block_until_ready(f(*placed[0]))
+            except Exception as e:  # noqa: BLE001  (memory)
+                row["status"] = "OOM" if "RESOURCE_EXHAUSTED" in str(e) else f"error: {type(e).__name__}"
+                continue
+            if gpu:
+                row["ms"], row["method"] = device_ms(f, placed, args.reps)
+            else:
+                ready.append((row, f, placed[0]))
+            del placed
+        if ready:
+            for (row, _, _), ms in zip(ready, interleaved_ms([(f, a) for _, f, a in ready], args.reps)):
+                row["ms"], row["method"] = ms, "wall-interleaved"
+        for row in rows[-len(impls):]:
+            if row["status"] != "ok":
+                continue
+            row["gbps"], row["kv_gbps"] = nbytes / row["ms"] / 1e6, kv_bytes / row["ms"] / 1e6
+            print(f"RESULT suite=decode impl={row['impl']} d={d} b={b} sq={sq} sk={s} h={hq} hkv={hkv} "
+                  f"dtype={row['dtype']} ms={row['ms']:.4f} gbps={row['gbps']:.1f} method={row['method']}", flush=True)
+        _decode_targets(rows[-len(impls):], gpu)
+    return rows
+
+
+def _decode_targets(rows, gpu):
+    """The contiguous jaxflash row against its K+V bandwidth target (GPU), each paged row against it."""
+    base = next((r for r in rows if r["impl"] == "jaxflash" and r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        if r["impl"] == "jaxflash" and gpu and (r["b"], r["sq"], r["s"]) in DECODE_TARGETS:
+            goal = DECODE_TARGETS[(r["b"], r["sq"], r["s"])]
+            r["target"] = f">= {goal} TB/s K+V: " + ("met" if r["kv_gbps"] >= goal * 1e3 else
+                                                    f"short {100 * (1 - r['kv_gbps'] / goal / 1e3):.1f}%")
+        elif r["impl"].startswith("jaxflash-paged") and base is not None:
+            ratio = base["ms"] / r["ms"]
+            r["target"] = f"{ratio:.2f}x contiguous"
+            if gpu:
+                r["target"] += f" (>= {PAGED_WITHIN}): " + (
+                    "met" if ratio >= PAGED_WITHIN else f"short {100 * (1 - ratio / PAGED_WITHIN):.1f}%")
+
+
+def decode_table(rows):
+    head = f"{'B':>4}{'Sq':>4}{'Sk':>8}{'H':>7}  {'impl':18}{'ms':>10}{'GB/s':>9}{'K+V GB/s':>10}  target / status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        heads = f"{r['hq']}/{r['hkv']}"
+        line = f"{r['b']:>4}{r['sq']:>4}{r['s']:>8}{heads:>7}  {r['impl']:18}"
+        if r["status"] != "ok":
+            lines.append(line + f"{'':>29}  {r['status']}")
+        else:
+            lines.append(line + f"{r['ms']:10.3f}{r['gbps']:9.1f}{r['kv_gbps']:10.1f}  {r['target']}")
+    return "\n".join(lines)
+
+
 # --- output -----------------------------------------------------------------------------------------------
 
 COLUMNS = ["suite", "case", "pass_", "d", "s", "b", "hq", "hkv", "causal", "dtype", "impl", "status", "check_err",
@@ -653,7 +795,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 2)[2])
     p.add_argument("--suite", default="sweep", choices=SUITES)
-    p.add_argument("--impls", nargs="+", help=f"subset of {', '.join(IMPLS)} and importable peers")
+    p.add_argument("--impls", nargs="+", help=f"subset of {', '.join(IMPLS)} and importable peers (decode: "
+                                               f"{', '.join(DECODE_IMPLS)})")
     p.add_argument("--seqlens", "--seqs", type=int, nargs="+")
     p.add_argument("--head-dims", "--head-dim", type=int, nargs="+")
     p.add_argument("--heads", type=int, help="default: 2048 / D on a GPU, 4 on the CPU")
@@ -673,9 +816,10 @@ def main(argv=None):
         _add_peers()
     args.reps = args.reps or (10 if gpu else 20)  # >= 20 timed runs per implementation either way
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
-    unknown = set(args.impls or []) - set(IMPLS)
+    known = DECODE_IMPLS if args.suite == "decode" else IMPLS
+    unknown = set(args.impls or []) - set(known)
     if unknown:
-        p.error(f"unknown or unavailable --impls {sorted(unknown)}; have {sorted(IMPLS)}")
+        p.error(f"unknown or unavailable --impls {sorted(unknown)}; have {sorted(known)}")
     dev = jax.devices()[0]
     meta = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                 jaxflash=jaxflash.__version__, python=platform.python_version(), suite=args.suite,
@@ -686,6 +830,21 @@ def main(argv=None):
                 memory="XLA buffer assignment of the compiled call: arguments + outputs + temporaries - aliased")
     print(f"jaxflash.bench --suite {args.suite} on {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__},"
           f" {dtype.name}", flush=True)
+    if args.suite == "decode":
+        rows = run_decode(args, dtype, gpu)
+        print()
+        print(decode_table(rows))
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "results.json"), "w") as fh:
+                json.dump({"meta": meta, "rows": rows}, fh, indent=1, default=str)
+            print(f"\nwrote {args.out}/results.json")
+        bad = [r for r in rows if r["status"].startswith("WRONG")
+               or (r["impl"].startswith("jaxflash") and r["status"].startswith("error"))]
+        for r in bad:
+            print(f"jaxflash.bench: {r['impl']} decode b={r['b']} sq={r['sq']} sk={r['s']}: {r['status']}",
+                  file=sys.stderr)
+        return 1 if bad else 0
     rows = run(plan(args, gpu), args, dtype)
     print()
     print(table(rows, gpu))

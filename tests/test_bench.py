@@ -240,3 +240,43 @@ def test_ring_suite_needs_two_devices(monkeypatch):
     monkeypatch.setattr(bench.jax, "device_count", lambda: 1)
     with pytest.raises(SystemExit, match="two or more devices"):
         _plan(False, suite="ring")
+
+
+def test_paged_copy_puts_each_token_in_its_page():
+    k = jnp.arange(2 * 21 * 3 * 4, dtype=jnp.float32).reshape(2, 21, 3, 4)
+    kc, vc, tables, lengths = bench.paged_copy(k, -k, 8)
+    assert kc.shape == (6, 8, 3, 4) and tables.shape == (2, 3) and lengths.tolist() == [21, 21]
+    assert sorted(np.asarray(tables).ravel().tolist()) == list(range(6))  # every page once, shuffled
+    t = np.arange(21)
+    for b in range(2):
+        np.testing.assert_array_equal(np.asarray(kc)[np.asarray(tables)[b, t // 8], t % 8], np.asarray(k[b]))
+        np.testing.assert_array_equal(np.asarray(vc)[np.asarray(tables)[b, t // 8], t % 8], -np.asarray(k[b]))
+
+
+def test_decode_suite_checks_then_times_contiguous_and_paged(tmp_path, capsys):
+    """Every implementation is checked against the oracle on a cache with a partial last page, then timed at
+    Sq 1 and 4; the paged rows are compared with the contiguous one (no GPU targets on the CPU)."""
+    argv = ["--suite", "decode", "--seqlens", "200", "--batch", "2", "--head-dims", "32", "--reps", "1"]
+    assert bench.main(argv + ["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    impls = ("jaxflash", "jaxflash-paged16", "jaxflash-paged64", "xla")
+    for impl in impls:
+        assert f"# check {impl} decode d=32: " in out
+        for sq in (1, 4):
+            assert f"RESULT suite=decode impl={impl} d=32 b=2 sq={sq} sk=200 h=8 hkv=2 " in out
+    assert "CHECK FAILED" not in out and "cudnn" not in out
+    paged = [x for x in out.splitlines() if " jaxflash-paged" in x and "x contiguous" in x]
+    assert len(paged) == 4 and not any(">=" in x for x in paged)
+    rows = json.load(open(tmp_path / "results.json"))["rows"]
+    assert {(r["impl"], r["sq"]) for r in rows} == {(i, sq) for i in impls for sq in (1, 4)}
+    assert all(r["status"] == "ok" and r["gbps"] > 0 for r in rows)
+
+
+def test_decode_suite_refuses_a_wrong_paged_kernel(monkeypatch, capsys):
+    real = bench.paged_copy
+    monkeypatch.setattr(bench, "paged_copy", lambda k, v, page, seed=0: real(k, v[:, ::-1], page, seed))
+    assert bench.main(["--suite", "decode", "--seqlens", "64", "--head-dims", "16", "--reps", "1",
+                       "--impls", "jaxflash", "jaxflash-paged16"]) == 1
+    out = capsys.readouterr().out
+    assert "# check jaxflash-paged16 decode d=16: " in out and "CHECK FAILED" in out
+    assert "WRONG" in out
