@@ -27,9 +27,10 @@ def mask_matrix(sq: int, sk: int, mask: Mask):
     j = jnp.arange(sk)[None, :]
     c = i + mask.diagonal(sq, sk)
     if mask.bottom_right and (mask.q_lengths is not None or mask.kv_lengths is not None):
-        # Bottom-right per sequence: its last valid query sits on its last valid key.
-        ql = sq if mask.q_lengths is None else jnp.clip(jnp.asarray(mask.q_lengths), 0, sq)
-        kl = sk if mask.kv_lengths is None else jnp.clip(jnp.asarray(mask.kv_lengths), 0, sk)
+        # Bottom-right per sequence: its last valid query sits on its last valid key (lengths as given, also
+        # outside [0, S]: they then place the block within a longer sequence, as in a ring step).
+        ql = sq if mask.q_lengths is None else jnp.asarray(mask.q_lengths)
+        kl = sk if mask.kv_lengths is None else jnp.asarray(mask.kv_lengths)
         c = c + (jnp.asarray(kl - ql) - (sk - sq))[..., None, None, None]  # [..., 1 (heads), Sq, 1]
     else:
         c = c[None]

@@ -135,9 +135,9 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
       layout: ``"contiguous"``: shard ``r`` holds the ``r``-th block of the sequence. ``"zigzag"``: the sequence
         was permuted with `jaxflash.zigzag` (shard ``r`` holds chunks ``r`` and ``2n - 1 - r`` of ``2n``), which
         balances causal work across the devices; `jaxflash.unzigzag` restores the order of the result.
-      Everything else: as `jaxflash.attention` (causal is bottom-right aligned over the global sequence). Lengths
-        together with a causal mask or a window are not supported yet (there the diagonal follows each
-        sequence's lengths, which the ring's per-step masks cannot express): NotImplementedError.
+      Everything else: as `jaxflash.attention` (causal is bottom-right aligned over the global sequence; with
+        lengths, over each sequence's). Lengths together with a causal mask or a window make that diagonal a
+        run-time shift, so every step then runs a kernel (inside it, hidden blocks are still skipped).
       dropout_rate, dropout_key: as `jaxflash.attention`; with dropout the keys of a shard (of each of its two
         chunks with zigzag) must be a multiple of 4, the width of one draw.
 
@@ -156,12 +156,11 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
     return_lse = _check_bool(_NAME, "return_lse", return_lse)
     _check_window(_NAME, window)
     left, right = Mask(causal, window).sides()
-    if (q_lengths is not None or kv_lengths is not None) and (left >= 0 or right >= 0):
-        raise NotImplementedError(f"{_NAME}: q_lengths/kv_lengths with a causal mask or a window are not supported "
-                                  "yet (the diagonal then follows each sequence's lengths, which the ring's per-step "
-                                  "masks cannot express); lengths without them, and segment ids, are")
+    # With lengths the diagonal follows each sequence's (c = i + kv_lengths - q_lengths): a run-time shift.
+    follow_lengths = (q_lengths is not None or kv_lengths is not None) and (left >= 0 or right >= 0)
     dropout_rate, key_words = _check_dropout(_NAME, dropout_rate, dropout_key)
-    st = _Static(axis_name, layout, causal, left, right, softcap, scale, deterministic, backend, dropout_rate)
+    st = _Static(axis_name, layout, causal, left, right, softcap, scale, deterministic, backend, dropout_rate,
+                 follow_lengths)
     _axis_size_and_index(axis_name)  # a clear error outside shard_map
     if dropout_rate:
         zigzag = layout == "zigzag"
@@ -188,6 +187,7 @@ class _Static(NamedTuple):
     deterministic: bool
     backend: Any
     dropout_rate: float
+    follow_lengths: bool  # lengths with a causal mask or window: every pair computed (see _pairs)
 
 
 class _Geometry(NamedTuple):
@@ -217,9 +217,14 @@ def _piece(g, x, p, seq_axis):
 
 def _pairs(st, g, step):
     """For one ring step: (query piece, key piece, the distinct static masks, index of this shard's) per pair.
-    A mask is None (no key visible: skipped), "all" (every key visible) or the diagonal offset to pass."""
+    A mask is None (no key visible: skipped), "all" (every key visible) or the diagonal offset to pass; or
+    "lengths" for every pair when the diagonal follows each sequence's lengths, a shift known only at run time
+    (the kernel skips the blocks that shift hides)."""
     for qi, q_chunk in enumerate(g.q_pieces):
         for ki, k_chunk in enumerate(g.k_pieces):
+            if st.follow_lengths:
+                yield qi, ki, ["lengths"], None
+                continue
             masks = [_block_mask(st.causal, st.left, st.right, q_chunk(r) * g.cq - k_chunk((r - step) % g.n) * g.ck
                                  + g.diag, g.cq, g.ck) for r in range(g.n)]
             kinds = sorted(set(masks), key=lambda m: (m is None, m == "all", m if isinstance(m, int) else 0))
@@ -246,6 +251,14 @@ def _pair_mask(st, g, kind, qi, ki, step, qseg, kseg, q_lengths, kv_lengths):
         return None if lengths is None else jnp.clip(lengths - start, 0, size).astype(jnp.int32)
 
     q0, k0 = _positions(g, qi, ki, step)
+    if kind == "lengths":
+        # The lengths counted from the pieces' starts and left unclipped: the kernels clip them for validity and
+        # take their difference, kv_lengths - q_lengths + (q0 - k0), as the bottom-right diagonal of the pair.
+        lead = (q_lengths if q_lengths is not None else kv_lengths).shape
+        q_all = jnp.full(lead, g.n * g.cq * len(g.q_pieces)) if q_lengths is None else q_lengths
+        kv_all = jnp.full(lead, g.n * g.ck * len(g.k_pieces)) if kv_lengths is None else kv_lengths
+        return Mask(st.causal, (st.left, st.right), qseg, kseg, (q_all - q0).astype(jnp.int32),
+                    (kv_all - k0).astype(jnp.int32), bottom_right=True)
     qlen, klen = local(q_lengths, q0, g.cq), local(kv_lengths, k0, g.ck)
     if kind == "all":
         return Mask(False, None, qseg, kseg, qlen, klen)

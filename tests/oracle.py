@@ -17,8 +17,8 @@ def visible_mask(sq: int, sk: int, causal: bool = False, *, window=None, bottom_
     j = np.arange(sk)[None, :]
     c = (i + (sk - sq if bottom_right else 0) + offset)[None]  # [1 (heads), Sq, 1]
     if bottom_right and (q_lengths is not None or kv_lengths is not None):
-        ql = sq if q_lengths is None else np.clip(np.asarray(q_lengths), 0, sq)
-        kl = sk if kv_lengths is None else np.clip(np.asarray(kv_lengths), 0, sk)
+        ql = sq if q_lengths is None else np.asarray(q_lengths).astype(np.int64)
+        kl = sk if kv_lengths is None else np.asarray(kv_lengths).astype(np.int64)
         c = c + (np.asarray(kl - ql) - (sk - sq))[..., None, None, None]
     mask = np.ones(c.shape[:-1] + (sk,), bool)
     if right >= 0:

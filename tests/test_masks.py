@@ -213,3 +213,34 @@ def test_causal_diagonal_follows_each_sequences_lengths(backend):
                                               key_value_seq_lengths=kv_len)
     mask = np.asarray(reference.visible(sq, sk, causal=True, bottom_right=False, q_lengths=q_len, kv_lengths=kv_len))
     assert mask[1, 0, 1].tolist() == [True, True] + [False] * 14 and np.isfinite(np.asarray(top_left)).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_diagonal_takes_lengths_as_given(backend):
+    """Lengths past S still place the diagonal (c = i + kv_lengths - q_lengths, unclipped) while only [0, S] of
+    them counts for validity; under jit negative ones do too. How a ring step describes a block that sits inside
+    a longer sequence."""
+    b, sq, sk, h, d = 3, 8, 8, 2, 16
+    q, k, v = (jnp.asarray(np.random.default_rng(stable_seed("raw-lengths", i)).standard_normal((b, s, h, d)),
+                           jnp.float32) for i, s in enumerate([sq, sk, sk]))
+    q_len, kv_len = np.array([12, 12, 8]), np.array([3, 20, 0])
+    out, lse = jaxflash.attention(q, k, v, causal=True, q_lengths=q_len, kv_lengths=kv_len, backend=backend,
+                                  return_lse=True)
+    want, want_lse = oracle.attention(q, k, v, causal=True, q_lengths=q_len, kv_lengths=kv_len)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+    # Element 0: c = i + 3 - 12 < 0, no row sees a key (clipped lengths would give c = i - 5: rows 5-7 would).
+    # Element 1: c = i + 20 - 12 = i + 8, every row sees all 8 keys: full attention (clipped: causal). Element 2:
+    # no key.
+    assert np.isneginf(np.asarray(lse)[[0, 2]]).all()
+    full, full_lse = oracle.attention(q[1], k[1], v[1])
+    np.testing.assert_allclose(np.asarray(out)[1], full, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse)[1], full_lse, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(want_lse)[1], full_lse, atol=1e-12)  # the oracle agrees
+    # Negative lengths (traced, so unchecked): q_lengths -4, kv_lengths 6 -> c = i + 10, rows all invalid.
+    f = jax.jit(lambda ql, kl: jaxflash.attention(q, k, v, causal=True, q_lengths=ql, kv_lengths=kl, backend=backend,
+                                                  return_lse=True))
+    out, lse = f(jnp.asarray([-4, 3, 8]), jnp.asarray([6, -2, 8]))
+    want, want_lse = oracle.attention(q, k, v, causal=True, q_lengths=np.array([-4, 3, 8]),
+                                      kv_lengths=np.array([6, -2, 8]))
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+    assert np.isneginf(np.asarray(lse)[:2]).all() and np.isfinite(np.asarray(lse)[2]).all()

@@ -75,6 +75,8 @@ CASES = {
     "window-right": dict(window=(None, 13)),
     "segments-causal": dict(segments=True, causal=True),
     "lengths": dict(lengths=True),
+    "lengths-causal": dict(causal=True, lengths=True),
+    "lengths-window": dict(window=(6, 2), lengths=True),
     "softcap": dict(softcap=4.0, causal=True),
     "scale-deterministic": dict(scale=0.3, deterministic=True),
     "dropout": dict(dropout_rate=0.3, dropout_key=jax.random.key(7)),
@@ -178,10 +180,6 @@ def test_ring_errors():
         jaxflash.ring_attention(q, q, q, axis_name="sp")
     with pytest.raises(ValueError, match=r"jaxflash.ring_attention: layout must be one of"):
         jaxflash.ring_attention(q, q, q, axis_name="sp", layout="ring")
-    lengths = jnp.asarray([5], jnp.int32)
-    with pytest.raises(NotImplementedError, match=r"jaxflash.ring_attention: q_lengths/kv_lengths with a causal "
-                                                  r"mask or a window are not supported yet"):
-        jaxflash.ring_attention(q, q, q, axis_name="sp", causal=True, kv_lengths=lengths)
     six = jnp.zeros((1, 24, 2, 8))  # 6 keys a shard
     f = jax.shard_map(lambda q: jaxflash.ring_attention(q, q, q, axis_name="sp", dropout_rate=0.1,
                                                         dropout_key=jax.random.key(0)),

@@ -80,7 +80,12 @@ JAXFLASH_HD BatchMask batch_mask(const MaskParams& m, int64_t b, int64_t seqlen_
   bm.kv_len = clamp_length(m.kv_lengths, b, seqlen_k);
   bm.q_seg = m.q_segment_ids ? m.q_segment_ids + b * seqlen_q : nullptr;
   bm.kv_seg = m.kv_segment_ids ? m.kv_segment_ids + b * seqlen_k : nullptr;
-  if (m.diag_follows_lengths) bm.m.diag_offset += (bm.kv_len - bm.q_len) - (seqlen_k - seqlen_q);
+  // The diagonal takes the lengths as given, unclamped: a ring step passes a piece's lengths counted from the
+  // piece's start (negative, or past its end), and they carry where the piece sits in the sequence.
+  if (m.diag_follows_lengths) {
+    const int64_t kv = m.kv_lengths ? m.kv_lengths[b] : seqlen_k, q = m.q_lengths ? m.q_lengths[b] : seqlen_q;
+    bm.m.diag_offset += (kv - q) - (seqlen_k - seqlen_q);
+  }
   return bm;
 }
 
