@@ -241,35 +241,38 @@ def contiguous_caches(cfg, batch):
             for _ in range(cfg.layers)]
 
 
+def greedy(logits):
+    """The greedy choice over the last axis and its lead over the runner-up (how near a tie it was)."""
+    top2 = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
+    return jnp.argmax(logits, -1).astype(jnp.int32), top2[..., 0] - top2[..., 1]
+
+
 def generate(model, params, caches, prompts, new_tokens):
-    """Greedy continuation of `prompts` [B, P]: the prompt in one call, then one token per call. Returns the new
-    tokens [B, new_tokens], the top-two logit margin at each step, and tokens/s of the one-token calls after the
-    first (which compiles)."""
+    """Greedy continuation of `prompts` [B, P]: the prompt in one call, then one token per call (the choice made
+    inside the call). Returns the new tokens [B, new_tokens], the top-two logit margin at each step, and
+    tokens/s of the one-token calls after the first (which compiles)."""
     @jax.jit
     def prefill(params, caches, prompt):
         logits, caches = model.apply(params, prompt, caches, 0)
-        return logits[:, -1], caches
+        return *greedy(logits[:, -1]), caches
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(params, caches, token, start):
         logits, caches = model.apply(params, token[:, None], caches, start)
-        return logits[:, -1], caches
+        return *greedy(logits[:, -1]), caches
 
-    logits, caches = prefill(params, caches, prompts)
-    tokens, margins, t0 = [], [], None
-    for i in range(new_tokens):
-        token = jnp.argmax(logits, -1).astype(jnp.int32)
-        top2 = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
+    token, margin, caches = prefill(params, caches, prompts)
+    tokens, margins, t0 = [token], [margin], None
+    for i in range(1, new_tokens):
+        token, margin, caches = step(params, caches, token, jnp.int32(prompts.shape[1] + i - 1))
         tokens.append(token)
-        margins.append(top2[:, 0] - top2[:, 1])
-        if i + 1 < new_tokens:
-            logits, caches = step(params, caches, token, jnp.int32(prompts.shape[1] + i))
-        if i == 0:
-            jax.block_until_ready(logits)
+        margins.append(margin)
+        if i == 1:
+            jax.block_until_ready(token)
             t0 = time.perf_counter()
     jax.block_until_ready(tokens[-1])
-    steps = max(new_tokens - 2, 1)  # the timed one-token calls
-    tokens_per_s = steps * prompts.shape[0] / max(time.perf_counter() - t0, 1e-9)
+    timed = new_tokens - 2  # the one-token calls after the compiling one
+    tokens_per_s = timed * prompts.shape[0] / (time.perf_counter() - t0) if timed > 0 else float("nan")
     return np.stack(jax.device_get(tokens), 1), np.stack(jax.device_get(margins), 1), tokens_per_s
 
 
@@ -297,8 +300,7 @@ def run_generate(cfg, prompt_len=32, new_tokens=96, page_size=16, num_prompts=4,
     out(f"{'contiguous cache, jax.nn (xla)':44}{contiguous_tps:10,.0f}\n")
     # Without a cache: the whole text so far through the model in one call must predict the same characters.
     logits = model.apply(params, jnp.concatenate([prompts, jnp.asarray(paged)], 1)[:, :-1])[:, prompt_len - 1:]
-    uncached = np.asarray(jnp.argmax(logits, -1))
-    uncached_margins = np.asarray(-jnp.diff(jax.lax.top_k(logits.astype(jnp.float32), 2)[0], axis=-1)[..., 0])
+    uncached, uncached_margins = (np.asarray(x) for x in greedy(logits))
     tie = 1e-3 if cfg.dtype == "float32" else 0.1
     agree = True
     for name, other, m in (("contiguous cache", contiguous, margins), ("no cache", uncached, uncached_margins)):
