@@ -11,31 +11,46 @@ function(jaxflash_generate_configs list_file out_dir enabled_families sources_pr
   set(count 0)
   set(cases_fwd "")
   set(cases_bwd "")
+  set(cases_decode "")
   foreach(line IN LISTS lines)
     string(REGEX REPLACE "[ \t]+" ";" fields "${line}")
     list(POP_FRONT fields family pass dtype)
-    if(NOT family MATCHES "^sm(80|90)$" OR NOT pass MATCHES "^(fwd|bwd)$" OR NOT dtype MATCHES "^(bfloat16|float16)$"
+    if(NOT family MATCHES "^(sm80|sm90|decode)$" OR NOT pass MATCHES "^(fwd|bwd)$" OR NOT dtype MATCHES "^(bfloat16|float16)$"
        OR fields STREQUAL "")
-      message(FATAL_ERROR "jaxflash: ${list_file}: expected 'family pass dtype head_dim...' with family sm80|sm90, "
+      message(FATAL_ERROR "jaxflash: ${list_file}: expected 'family pass dtype head_dim...' with family sm80|sm90|decode, "
                           "pass fwd|bwd, dtype bfloat16|float16; got '${line}'")
     endif()
     if(NOT family IN_LIST enabled_families)
       continue()
     endif()
     list(APPEND families ${family})
-    string(TOUPPER "${family}" fam_upper)
-    string(REPLACE "SM" "kSm" fam_enum "${fam_upper}")
+    if(family STREQUAL "decode")
+      set(fam_enum "kDecode")
+    else()
+      string(TOUPPER "${family}" fam_upper)
+      string(REPLACE "SM" "kSm" fam_enum "${fam_upper}")
+    endif()
     if(dtype STREQUAL "bfloat16")
       set(dtype_enum "DType::kBF16")
     else()
       set(dtype_enum "DType::kF16")
     endif()
-    if(pass STREQUAL "fwd")
+    # The decode family has one entry point, run_decode, on DecodeParams (split-KV workspaces, block table).
+    if(family STREQUAL "decode" AND pass STREQUAL "fwd")
+      set(params "DecodeParams")
+      set(pass_enum "Pass::kFwd")
+      set(case_list "decode")
+    elseif(pass STREQUAL "fwd")
       set(params "FwdParams")
       set(pass_enum "Pass::kFwd")
+      set(case_list "fwd")
     else()
       set(params "BwdParams")
       set(pass_enum "Pass::kBwd")
+      set(case_list "bwd")
+    endif()
+    if(family STREQUAL "decode" AND NOT pass STREQUAL "fwd")
+      message(FATAL_ERROR "jaxflash: ${list_file}: the decode family has a forward pass only; got '${line}'")
     endif()
     foreach(d IN LISTS fields)
       if(NOT d MATCHES "^[0-9]+$")
@@ -51,7 +66,7 @@ template cudaError_t jaxflash::${family}::run_${pass}<jaxflash::${dtype_enum}, $
 ")
       list(APPEND sources_${family} ${tu})
       string(APPEND array "    {Family::${fam_enum}, ${pass_enum}, ${dtype_enum}, ${d}},\n")
-      string(APPEND cases_${pass}
+      string(APPEND cases_${case_list}
         "    case key(Family::${fam_enum}, ${dtype_enum}, ${d}): return ${family}::run_${pass}<${dtype_enum}, ${d}>(p, stream, device);\n")
       math(EXPR count "${count} + 1")
     endforeach()
@@ -87,6 +102,12 @@ ${cases_fwd}    default: return cudaErrorNotSupported;
 cudaError_t run_bwd(Family family, DType dtype, int head_dim, const BwdParams& p, cudaStream_t stream, int device) {
   switch (key(family, dtype, head_dim)) {
 ${cases_bwd}    default: return cudaErrorNotSupported;
+  }
+}
+
+cudaError_t run_decode(DType dtype, int head_dim, const DecodeParams& p, cudaStream_t stream, int device) {
+  switch (key(Family::kDecode, dtype, head_dim)) {
+${cases_decode}    default: return cudaErrorNotSupported;
   }
 }
 

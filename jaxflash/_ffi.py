@@ -1,5 +1,6 @@
-"""FFI target registration and the two calls, `fwd` and `bwd`. No validation and no defaults here:
-`attention.py` owns the contract; the C++ handlers re-check as a backstop."""
+"""FFI target registration and the calls: `fwd` (the decode kernel for few query rows on the GPU), `bwd`,
+`paged_fwd`. No validation and no defaults here: `attention.py` and `paged.py` own the contract; the C++
+handlers re-check as a backstop."""
 from __future__ import annotations
 
 import os
@@ -90,9 +91,64 @@ def _attrs(cfg) -> dict:
 
 
 def fwd(q, k, v, operands, cfg):
-    """(q, k, v, (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, dropout_state)) -> (o, lse)."""
-    call = jax.ffi.ffi_call("jaxflash_fwd", (_typeof(q), _stat_type(q)), vmap_method="broadcast_all")
-    return call(q, k, v, *operands, **_attrs(cfg))
+    """(q, k, v, (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, dropout_state)) -> (o, lse). The CUDA
+    target also returns the split-KV workspaces of its decode kernel (few query rows per K/V head), sized here
+    from the module's split count for the shape."""
+    if cfg.backend != "cuda":
+        call = jax.ffi.ffi_call("jaxflash_fwd", (_typeof(q), _stat_type(q)), vmap_method="broadcast_all")
+        return call(q, k, v, *operands, **_attrs(cfg))
+    n = 0 if cfg.dropout_rate > 0 else _splits(q, k.shape[-3], k.shape[-2])
+    call = jax.ffi.ffi_call("jaxflash_fwd", (_typeof(q), _stat_type(q), *_workspaces(q, n)),
+                            vmap_method="broadcast_all")
+    return tuple(call(q, k, v, *operands, **_attrs(cfg))[:2])
+
+
+MAX_SPLITS = 64  # the decode kernel's limit (kMaxSplits)
+
+
+def _splits(q, seqlen_k, heads_k, num_splits=None) -> int:
+    """Key splits of the decode kernel for q [..., Sq, Hq, D] against seqlen_k keys: `num_splits` when given,
+    else the module's heuristic for the GPU (0 when the decode kernel does not take the shape). Static per
+    shape: decided at trace time, no device sync."""
+    if num_splits is not None:
+        return int(num_splits)
+    if _jaxflash_cuda is None:  # tracing for CUDA without the module (tests that pretend)
+        return 0
+    batch = int(np.prod(q.shape[:-3], dtype=np.int64))
+    return int(_jaxflash_cuda.decode_num_splits(batch, q.shape[-3], q.shape[-2], heads_k, seqlen_k, q.shape[-1]))
+
+
+def _workspaces(q, n):
+    """Types of the decode kernel's fp32 split workspaces, [n, *q.shape] and [n, *lse.shape]; n = 0 when the
+    keys are not split (the kernel then writes o and lse directly)."""
+    n = n if n > 1 else 0
+    out = []
+    for t in (_typeof(q), _stat_type(q)):
+        sharding = getattr(t, "sharding", None)
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        if len(spec) == len(t.shape) and any(x is not None for x in spec):
+            out.append(t.update(shape=(n, *t.shape), dtype=jnp.float32, sharding=sharding.update(spec=P(None, *spec))))
+        else:
+            out.append(t.update(shape=(n, *t.shape), dtype=jnp.float32))
+    return out
+
+
+def paged_fwd(query, key_cache, value_cache, block_tables, kv_lengths, opts, backend, num_splits=None):
+    """The jaxflash_paged_fwd call: (o [B, Sq, Hq, D], lse [B, Hq, Sq]). opts = (scale, softcap, window_left,
+    window_right). The CUDA kernel splits the keys (split-KV); the CPU one never does."""
+    scale, softcap, left, right = opts
+    attrs = dict(scale=np.float32(scale), softcap=np.float32(softcap), window_left=np.int64(left),
+                 window_right=np.int64(right))
+    lse_type = jax.ShapeDtypeStruct((query.shape[0], query.shape[2], query.shape[1]), jnp.float32)
+    types = (jax.ShapeDtypeStruct(query.shape, query.dtype), lse_type)
+    if backend == "cuda":
+        capacity = block_tables.shape[1] * key_cache.shape[1]
+        n = _splits(query, capacity, key_cache.shape[2], num_splits)
+        n = n if n > 1 else 0
+        types += (jax.ShapeDtypeStruct((n, *query.shape), jnp.float32),
+                  jax.ShapeDtypeStruct((n, *lse_type.shape), jnp.float32))
+    call = jax.ffi.ffi_call("jaxflash_paged_fwd", types, vmap_method="sequential")
+    return tuple(call(query, key_cache, value_cache, block_tables, kv_lengths, **attrs)[:2])
 
 
 def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
@@ -106,8 +162,8 @@ def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
 
 def cuda_configs() -> list[tuple[str, str, str, int]]:
     """(family, pass, dtype name, head dim) of every configuration compiled into the CUDA module, in the order
-    of its configuration list; empty without the module. Families: "sm80" (every GPU from sm_80 on) and
-    "sm90" (Hopper); passes: "fwd", "bwd"."""
+    of its configuration list; empty without the module. Families: "sm80" (every GPU from sm_80 on), "sm90"
+    (Hopper) and "decode" (split-KV for few query rows and paged caches, every GPU); passes: "fwd", "bwd"."""
     if _jaxflash_cuda is None:
         return []
     return [(str(f), str(p), str(t), int(d)) for f, p, t, d in _jaxflash_cuda.supported_configs()]

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
-from .attention import _FLOAT_DTYPES, MAX_HEAD_DIM, _check_bool, _check_scale, _check_softcap, _check_window, _platform
+from .attention import (_FLOAT_DTYPES, MAX_HEAD_DIM, _check_bool, _check_scale, _check_softcap, _check_window,
+                        _resolve_backend)
 from .mask import Mask
 
 _NAME = "jaxflash.paged_attention"
@@ -39,17 +40,19 @@ def paged_attention(query, key_cache, value_cache, block_tables, kv_lengths, *, 
         query ``i`` sitting at ``kv_lengths[b] - Sq + i`` (causal: it sees keys ``j <= kv_lengths[b] - Sq + i``).
         A sequence of length 0 gives 0 and LSE ``-inf``.
       causal, window, softcap, scale, return_lse: as in `jaxflash.attention`; ``lse`` is ``[B, Hq, Sq]`` float32.
-      num_splits: how many parts of the keys the GPU kernel will attend to in parallel before merging them
-        (split-KV). Validated (a positive int, or None: automatic); the CPU kernel does not split, and its
-        result does not depend on it.
-      backend: ``None`` or ``"cpu"``. The paged kernel runs on the CPU today; the CUDA kernel is to come, and a
-        GPU input raises ``NotImplementedError``.
+      num_splits: how many parts of each sequence's keys the GPU kernel attends to in parallel before merging
+        them (split-KV, FlashDecoding): None picks from the GPU's size and the shape (static per shape), an int
+        in [1, 64] forces it (results agree up to rounding). The CPU kernel does not split; its result does
+        not depend on it.
+      backend: ``None`` (where the inputs are), ``"cpu"`` or ``"cuda"`` (bfloat16 or float16 on the GPU).
 
     Returns:
       ``out`` shaped and typed like ``query``, or ``(out, lse)`` when ``return_lse``. Not differentiable.
 
     Under ``jit`` the block table and lengths are checked by the kernel when it runs: a length past the
-    table's capacity, or a page outside the cache among a sequence's pages, is a runtime error.
+    table's capacity, or a page outside the cache among a sequence's pages, is a runtime error on the CPU; on
+    the GPU, which cannot raise without stopping the stream, that sequence's output and LSE are NaN (the
+    kernel never reads outside the cache).
     """
     causal = _check_bool(_NAME, "causal", causal)
     return_lse = _check_bool(_NAME, "return_lse", return_lse)
@@ -76,10 +79,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, kv_lengths, *, 
     _check_window(_NAME, window)
     _check_splits(num_splits)
     left, right = Mask(causal, window).sides()
-    _check_backend(backend, query)
+    backend = _check_backend(backend, query)
 
     out, lse = _paged_fwd(query, key_cache, value_cache, block_tables, kv_lengths,
-                          (float(scale), float(softcap), int(left), int(right)))
+                          (float(scale), float(softcap), int(left), int(right), backend,
+                           None if num_splits is None else int(num_splits)))
     return (out, lse) if return_lse else out
 
 
@@ -140,12 +144,8 @@ def simple_block_tables(batch: int, max_len: int, page_size: int):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
 def _paged_fwd(query, key_cache, value_cache, block_tables, kv_lengths, opts):
-    scale, softcap, left, right = opts
-    lse_type = jax.ShapeDtypeStruct((query.shape[0], query.shape[2], query.shape[1]), jnp.float32)
-    call = jax.ffi.ffi_call("jaxflash_paged_fwd", (jax.ShapeDtypeStruct(query.shape, query.dtype), lse_type),
-                            vmap_method="sequential")
-    return tuple(call(query, key_cache, value_cache, block_tables, kv_lengths, scale=np.float32(scale),
-                      softcap=np.float32(softcap), window_left=np.int64(left), window_right=np.int64(right)))
+    *attrs, backend, num_splits = opts
+    return _ffi.paged_fwd(query, key_cache, value_cache, block_tables, kv_lengths, attrs, backend, num_splits)
 
 
 @_paged_fwd.defjvp
@@ -221,15 +221,19 @@ def _check_splits(num_splits):
         return
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"{_NAME}: num_splits must be a positive int or None; got {num_splits!r}")
-    if num_splits < 1:
-        raise ValueError(f"{_NAME}: num_splits must be a positive int or None; got {int(num_splits)}")
+    if not 1 <= num_splits <= _ffi.MAX_SPLITS:
+        raise ValueError(f"{_NAME}: num_splits must be in [1, {_ffi.MAX_SPLITS}] or None; got {int(num_splits)}")
 
 
-def _check_backend(backend, query):
+def _check_backend(backend, query) -> str:
+    """"cpu" or "cuda": where the kernel runs (the inputs' platform when backend is None)."""
     if backend not in (None, "cpu", "cuda"):
         raise ValueError(f"{_NAME}: backend must be None, 'cpu' or 'cuda'; got {backend!r}")
-    platform = _platform(query)
-    if backend == "cuda" or platform in ("gpu", "cuda"):
-        raise NotImplementedError(f"{_NAME}: the CUDA kernel for a paged KV cache is not built yet; backend='cpu' "
-                                  f"works, with the inputs on the CPU (got backend={backend!r}, inputs on "
-                                  f"{platform})")
+    backend = _resolve_backend(_NAME, backend, query)
+    if backend == "cuda":
+        dtype, d = jnp.dtype(query.dtype).name, query.shape[-1]
+        have = sorted({hd for f, _, t, hd in _ffi.cuda_configs() if f == "decode" and t == dtype})
+        if d not in have:
+            raise NotImplementedError(f"{_NAME}: the CUDA kernel supports bfloat16 and float16 with head dims "
+                                      f"{have or 'none'}; got {dtype} with head dim {d}")
+    return backend

@@ -146,11 +146,18 @@ def test_differentiating_raises():
         jax.grad(lambda q: jaxflash.paged_attention(q, kc, vc, table, lengths).sum())(q)
 
 
-def test_the_gpu_backend_is_a_stated_gap():
+def test_backend_cuda_needs_the_inputs_on_a_gpu():
     q, kc, vc, table, lengths = make_cache(11, [5], 8, 2, 2, 8, jnp.float32)
-    with pytest.raises(NotImplementedError, match="jaxflash.paged_attention: the CUDA kernel .* not built yet; "
-                                                  "backend='cpu' works"):
-        jaxflash.paged_attention(q, kc, vc, table, lengths, backend="cuda")
+    if jaxflash._ffi.cuda_built():
+        err, match = ValueError, "jaxflash.paged_attention: backend='cuda' needs the inputs on a GPU; they are on cpu"
+    else:
+        err, match = RuntimeError, "jaxflash.paged_attention: backend 'cuda' is not available"
+    if jax.default_backend() == "cpu":
+        with pytest.raises(err, match=match):
+            jaxflash.paged_attention(q, kc, vc, table, lengths, backend="cuda")
+    with pytest.raises(ValueError, match="jaxflash.paged_attention: backend must be None, 'cpu' or 'cuda'; got "
+                                         "'reference'"):
+        jaxflash.paged_attention(q, kc, vc, table, lengths, backend="reference")
 
 
 # --- append_kv -------------------------------------------------------------------------------------------------
@@ -284,7 +291,8 @@ def test_errors(make, err, match):
 
 
 @pytest.mark.parametrize("kw,err,match", [
-    (dict(num_splits=0), ValueError, r"num_splits must be a positive int or None; got 0"),
+    (dict(num_splits=0), ValueError, r"num_splits must be in \[1, 64\] or None; got 0"),
+    (dict(num_splits=65), ValueError, r"num_splits must be in \[1, 64\] or None; got 65"),
     (dict(num_splits=2.0), TypeError, r"num_splits must be a positive int or None; got 2.0"),
     (dict(causal=1), TypeError, r"causal must be a Python bool; got 1"),
     (dict(window=(3,)), ValueError, r"window must be a pair"),

@@ -8,8 +8,9 @@ namespace jaxflash {
 enum class DType { kF32, kBF16, kF16 };
 
 // GPU kernel families, by the instructions they are built on: kSm80 (mma.sync and cp.async; sm_80 and
-// every later GPU) and kSm90 (wgmma and TMA; sm_90a only).
-enum class Family { kSm80, kSm90 };
+// every later GPU) and kSm90 (wgmma and TMA; sm_90a only); kDecode, the split-KV kernel for few query rows
+// and paged KV caches (mma.sync and cp.async, every GPU).
+enum class Family { kSm80, kSm90, kDecode };
 
 enum class Pass { kFwd, kBwd };
 
@@ -25,7 +26,9 @@ struct Config {
 constexpr const char* dtype_name(DType t) {
   return t == DType::kF32 ? "float32" : t == DType::kBF16 ? "bfloat16" : "float16";
 }
-constexpr const char* family_name(Family f) { return f == Family::kSm80 ? "sm80" : "sm90"; }
+constexpr const char* family_name(Family f) {
+  return f == Family::kSm80 ? "sm80" : f == Family::kSm90 ? "sm90" : "decode";
+}
 constexpr const char* pass_name(Pass p) { return p == Pass::kFwd ? "fwd" : "bwd"; }
 
 }  // namespace jaxflash

@@ -103,6 +103,19 @@ struct PagedKV {
   const int32_t* block_table = nullptr;  // [batch, pages_per_seq]
   int64_t pages_per_seq = 0;
   int64_t page_size = 0;
+  int64_t num_pages = 0;
+};
+
+// The decode kernel (split-KV, query heads of a K/V head packed into the rows of one tile). Keys come from
+// fwd.k / fwd.v, contiguous when paged.block_table is null. With num_splits > 1 the visible keys of each tile
+// are cut into that many chunks whose results (normalised O and LSE) go to the fp32 workspaces, merged into
+// fwd.o / fwd.lse by a second kernel; with 1 the workspaces are unused (may be null).
+struct DecodeParams {
+  FwdParams fwd;
+  PagedKV paged;
+  int num_splits = 1;
+  float* o_part = nullptr;    // [num_splits, batch, seqlen_q, heads_q, head_dim]
+  float* lse_part = nullptr;  // [num_splits, batch, heads_q, seqlen_q]
 };
 
 }  // namespace jaxflash

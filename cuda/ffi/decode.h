@@ -65,17 +65,33 @@ auto BindOptionOperands(Binding b) {
       .template Arg<ffi::Buffer<ffi::U32>>();
 }
 
-// jaxflash_fwd: (q, k, v, option operands) -> (o, lse), attributes Options. (Bindings cannot be moved into
-// named variables, so each step is passed on as a temporary.)
+// The two fp32 workspaces of the split-KV decode kernel (DecodeParams), flat: o_part [n x rows x D] and
+// lse_part [n x rows], rows = batch x Sq x Hq, n the split count (0: no split).
 template <typename Binding>
-auto BindFwd(Binding b) {
+auto BindSplitWorkspaces(Binding b) {
+  return std::move(b).template Ret<ffi::Buffer<ffi::F32>>().template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+// jaxflash_fwd: (q, k, v, option operands) -> (o, lse), attributes Options; jaxflash_decode_fwd
+// (kSplitWorkspaces) returns the workspaces too. (Bindings cannot be moved into named variables, so each step
+// is passed on as a temporary.)
+template <typename Binding>
+auto BindFwdResults(Binding&& b) {  // by reference: a Binding cannot be moved
   return BindOptionOperands(std::move(b)
                                 .template Arg<ffi::AnyBuffer>()    // q [..., Sq, Hq, D]
                                 .template Arg<ffi::AnyBuffer>()    // k [..., Sk, Hk, D]
                                 .template Arg<ffi::AnyBuffer>())   // v [..., Sk, Hk, D]
       .template Ret<ffi::AnyBuffer>()                              // o   [..., Sq, Hq, D]
-      .template Ret<ffi::Buffer<ffi::F32>>()                       // lse [..., Hq, Sq]
-      .template Attrs<Options>();
+      .template Ret<ffi::Buffer<ffi::F32>>();                      // lse [..., Hq, Sq]
+}
+
+template <bool kSplitWorkspaces = false, typename Binding>
+auto BindFwd(Binding b) {
+  if constexpr (kSplitWorkspaces) {
+    return BindSplitWorkspaces(BindFwdResults(std::move(b))).template Attrs<Options>();
+  } else {
+    return BindFwdResults(std::move(b)).template Attrs<Options>();
+  }
 }
 
 // jaxflash_bwd: (do, q, k, v, o, lse, dlse, option operands) -> (dq, dk, dv, dq_accum, delta), attributes

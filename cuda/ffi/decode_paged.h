@@ -36,7 +36,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxflash::PagedOptions, StructMember<float
 namespace jaxflash {
 
 template <typename Binding>
-auto BindPagedFwd(Binding b) {
+auto BindPagedResults(Binding&& b) {  // by reference: a Binding cannot be moved
   return std::move(b)
       .template Arg<ffi::AnyBuffer>()           // q            [B, Sq, Hq, D]
       .template Arg<ffi::AnyBuffer>()           // k_cache      [num_pages, page_size, Hk, D]
@@ -44,8 +44,17 @@ auto BindPagedFwd(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()    // block_tables [B, pages_per_seq]
       .template Arg<ffi::Buffer<ffi::S32>>()    // kv_lengths   [B]
       .template Ret<ffi::AnyBuffer>()           // o            [B, Sq, Hq, D]
-      .template Ret<ffi::Buffer<ffi::F32>>()    // lse          [B, Hq, Sq]
-      .template Attrs<PagedOptions>();
+      .template Ret<ffi::Buffer<ffi::F32>>();   // lse          [B, Hq, Sq]
+}
+
+// The CUDA handler (kSplitWorkspaces) also returns the split-KV workspaces (BindSplitWorkspaces).
+template <bool kSplitWorkspaces = false, typename Binding>
+auto BindPagedFwd(Binding b) {
+  if constexpr (kSplitWorkspaces) {
+    return BindSplitWorkspaces(BindPagedResults(std::move(b))).template Attrs<PagedOptions>();
+  } else {
+    return BindPagedResults(std::move(b)).template Attrs<PagedOptions>();
+  }
 }
 
 // Shapes, dtypes and options into `p` and `kv`. The table and lengths are device data, so checking their
@@ -104,6 +113,7 @@ inline ffi::Error ParsePagedFwd(const char* target, const ffi::AnyBuffer& q, con
   kv->block_table = block_tables.typed_data();
   kv->pages_per_seq = td[1];
   kv->page_size = kd[1];
+  kv->num_pages = kd[0];
   return ffi::Error::Success();
 }
 

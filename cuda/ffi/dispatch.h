@@ -28,5 +28,6 @@ inline bool is_compiled(Family family, Pass pass, DType dtype, int64_t head_dim)
 // handlers check is_compiled first and report that as an invalid argument).
 cudaError_t run_fwd(Family family, DType dtype, int head_dim, const FwdParams& p, cudaStream_t stream, int device);
 cudaError_t run_bwd(Family family, DType dtype, int head_dim, const BwdParams& p, cudaStream_t stream, int device);
+cudaError_t run_decode(DType dtype, int head_dim, const DecodeParams& p, cudaStream_t stream, int device);
 
 }  // namespace jaxflash

@@ -1,5 +1,5 @@
-// XLA FFI handlers of the CUDA kernels (targets jaxflash_fwd / jaxflash_bwd, platform "CUDA") and the
-// nanobind module that hands them to Python. Decode, check, fill params, pick the kernel family, launch.
+// XLA FFI handlers of the CUDA kernels (targets jaxflash_fwd, jaxflash_bwd and jaxflash_paged_fwd, platform
+// "CUDA") and the nanobind module that hands them to Python. Decode, check, fill params, pick the kernel family, launch.
 // They never synchronise and never allocate (workspaces are outputs owned by XLA), and launch the same work
 // for the same shapes, so XLA may capture them in a CUDA graph (kCmdBufferCompatible).
 #include <nanobind/nanobind.h>
@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "decode.h"
+#include "decode/traits.h"
+#include "decode_paged.h"
 #include "device_info.h"
 #include "dispatch.h"
 
@@ -28,6 +30,7 @@ namespace {
 
 constexpr const char* kFwdTarget = "jaxflash_fwd";
 constexpr const char* kBwdTarget = "jaxflash_bwd";
+constexpr const char* kPagedTarget = "jaxflash_paged_fwd";
 
 // "bfloat16 32, 64; float16 32" for the configurations compiled for `pass` (any family).
 std::string CompiledList(Pass pass) {
@@ -49,11 +52,13 @@ ffi::Error CudaFailed(const char* target, const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string(target) + ": " + what + " failed: " + cudaGetErrorString(err));
 }
 
-// The kernel family that runs (pass, dtype, head dim) on `device`: kSm90 on a compute capability 9.0 GPU when
+// The kernel family that runs (pass, dtype, head dim) on `device`: kDecode for a forward call it takes
+// (`decode_shape`: few query rows per K/V head, no dropout), else kSm90 on a compute capability 9.0 GPU when
 // that family has the configuration (its sm_90a code runs nowhere else), else kSm80, which runs on every GPU
-// the module is built for. JAXFLASH_CUDA_KERNELS=sm80, read at every call, forces kSm80 so that both families
-// can be tested on one Hopper GPU.
-ffi::Error SelectFamily(const char* target, int device, Pass pass, DType dtype, int64_t head_dim, Family* family) {
+// the module is built for. JAXFLASH_CUDA_KERNELS=sm80, read at every call, forces kSm80 so that the families
+// can be tested against each other on one Hopper GPU.
+ffi::Error SelectFamily(const char* target, int device, Pass pass, DType dtype, int64_t head_dim, bool decode_shape,
+                        Family* family) {
   if (dtype == DType::kF32)
     return Invalid(target, "dtype must be bfloat16 or float16 on the GPU; got float32");
   const char* forced = std::getenv("JAXFLASH_CUDA_KERNELS");
@@ -64,7 +69,10 @@ ffi::Error SelectFamily(const char* target, int device, Pass pass, DType dtype, 
   DeviceInfo info;
   if (cudaError_t err = device_info(device, &info); err != cudaSuccess)
     return CudaFailed(target, "reading the device's attributes", err);
-  if (!force_sm80 && info.cc_major == 9 && info.cc_minor == 0 && is_compiled(Family::kSm90, pass, dtype, head_dim)) {
+  if (!force_sm80 && decode_shape && pass == Pass::kFwd && is_compiled(Family::kDecode, pass, dtype, head_dim)) {
+    *family = Family::kDecode;
+  } else if (!force_sm80 && info.cc_major == 9 && info.cc_minor == 0 &&
+             is_compiled(Family::kSm90, pass, dtype, head_dim)) {
     *family = Family::kSm90;
   } else if (is_compiled(Family::kSm80, pass, dtype, head_dim)) {
     *family = Family::kSm80;
@@ -86,19 +94,57 @@ ffi::Error CheckGrid(const char* target, const AttnDims& d) {
   return ffi::Error::Success();
 }
 
+// The split count is the workspaces' leading factor (chosen in Python by decode_num_splits, static per shape):
+// lse_part holds n x rows floats, o_part n x rows x D; n = 0 means no split. Then the launch.
+ffi::Error LaunchDecode(const char* target, DType dtype, DecodeParams& p, ffi::ResultBuffer<ffi::F32>& o_part,
+                        ffi::ResultBuffer<ffi::F32>& lse_part, cudaStream_t stream, int device) {
+  const AttnDims& d = p.fwd.dims;
+  if (!is_compiled(Family::kDecode, Pass::kFwd, dtype, d.head_dim))
+    return Invalid(target, std::string(dtype_name(dtype)) + " with head dim " + std::to_string(d.head_dim) +
+                               " is not compiled for the decode kernel (compiled: " + CompiledList(Pass::kFwd) + ")");
+  const int64_t rows = d.batch * d.seqlen_q * d.heads_q;
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t n = int64_t(lse_part->element_count()) / rows;
+  if (int64_t(lse_part->element_count()) != n * rows || int64_t(o_part->element_count()) != n * rows * d.head_dim ||
+      n > decode::kMaxSplits)
+    return Invalid(target, "the split workspaces must hold n x " + std::to_string(rows) + " and n x " +
+                               std::to_string(rows * d.head_dim) + " floats, n <= " +
+                               std::to_string(decode::kMaxSplits) + "; got " +
+                               std::to_string(lse_part->element_count()) + " and " +
+                               std::to_string(o_part->element_count()));
+  p.num_splits = n > 1 ? int(n) : 1;
+  p.o_part = n > 1 ? o_part->typed_data() : nullptr;
+  p.lse_part = n > 1 ? lse_part->typed_data() : nullptr;
+  const int64_t tiles = d.batch * d.heads_k * ((d.seqlen_q * d.group() + decode::kRows - 1) / decode::kRows);
+  if (tiles > INT32_MAX || (rows + 3) / 4 > INT32_MAX)
+    return Invalid(target, "batch x key/value heads x ceil(Sq x group / 16) must be below 2^31; got " +
+                               std::to_string(tiles));
+  if (cudaError_t err = run_decode(dtype, int(d.head_dim), p, stream, device); err != cudaSuccess)
+    return CudaFailed(target, "kernel launch", err);
+  return ffi::Error::Success();
+}
+
+// jaxflash_fwd. The split workspaces are empty unless Python expects the decode kernel to take the call
+// (decode_num_splits > 1); the kernel never reads them otherwise.
 ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o,
-                   ffi::ResultBuffer<ffi::F32> lse, Options opts) {
-  FwdParams p;
+                   ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> o_part,
+                   ffi::ResultBuffer<ffi::F32> lse_part, Options opts) {
+  DecodeParams dp;
+  FwdParams& p = dp.fwd;
   DType dtype;
   Family family;
   if (auto e = ParseFwd(kFwdTarget, q, k, v, {q_seg, kv_seg, q_len, kv_len, dropout_state}, o, lse, opts, &p);
       e.failure())
     return e;
   if (auto e = ToDType(kFwdTarget, q.element_type(), &dtype); e.failure()) return e;
+  const bool decode_shape = decode::takes_call(p.dims.seqlen_q, p.dims.group(), p.dropout.rate > 0.f);
   // Even for empty tensors, so that an unsupported dtype or head dim is always reported.
-  if (auto e = SelectFamily(kFwdTarget, device, Pass::kFwd, dtype, p.dims.head_dim, &family); e.failure()) return e;
+  if (auto e = SelectFamily(kFwdTarget, device, Pass::kFwd, dtype, p.dims.head_dim, decode_shape, &family);
+      e.failure())
+    return e;
+  if (family == Family::kDecode) return LaunchDecode(kFwdTarget, dtype, dp, o_part, lse_part, stream, device);
   if (auto e = CheckGrid(kFwdTarget, p.dims); e.failure()) return e;
   if (q.element_count() == 0) return ffi::Error::Success();  // nothing to write: never launch an empty grid
   if (cudaError_t err = run_fwd(family, dtype, int(p.dims.head_dim), p, stream, device); err != cudaSuccess)
@@ -120,7 +166,8 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
       e.failure())
     return e;
   if (auto e = ToDType(kBwdTarget, q.element_type(), &dtype); e.failure()) return e;
-  if (auto e = SelectFamily(kBwdTarget, device, Pass::kBwd, dtype, p.dims.head_dim, &family); e.failure()) return e;
+  if (auto e = SelectFamily(kBwdTarget, device, Pass::kBwd, dtype, p.dims.head_dim, false, &family); e.failure())
+    return e;
   if (auto e = CheckGrid(kBwdTarget, p.dims); e.failure()) return e;
   if (q.element_count() == 0 || k.element_count() == 0) {
     // Nothing to differentiate through: every gradient (and workspace) is 0.
@@ -139,20 +186,41 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
   return ffi::Error::Success();
 }
 
+ffi::Error PagedFwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_lengths,
+                        ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> lse,
+                        ffi::ResultBuffer<ffi::F32> o_part, ffi::ResultBuffer<ffi::F32> lse_part,
+                        PagedOptions opts) {
+  DecodeParams p;
+  if (auto e = ParsePagedFwd(kPagedTarget, q, k, v, block_tables, kv_lengths, o, lse, opts, &p.fwd, &p.paged);
+      e.failure())
+    return e;
+  DType dtype;
+  if (auto e = ToDType(kPagedTarget, q.element_type(), &dtype); e.failure()) return e;
+  if (dtype == DType::kF32) return Invalid(kPagedTarget, "dtype must be bfloat16 or float16 on the GPU; got float32");
+  return LaunchDecode(kPagedTarget, dtype, p, o_part, lse_part, stream, device);
+}
+
 }  // namespace
 }  // namespace jaxflash
 
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashFwdCuda, jaxflash::FwdCuda,
-                              jaxflash::BindFwd(ffi::Ffi::Bind()
-                                                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                    .Ctx<ffi::DeviceOrdinal>()),
+                              jaxflash::BindFwd<true>(ffi::Ffi::Bind()
+                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                          .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashBwdCuda, jaxflash::BwdCuda,
                               jaxflash::BindBwd(ffi::Ffi::Bind()
                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                     .Ctx<ffi::DeviceOrdinal>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashPagedFwdCuda, jaxflash::PagedFwdCuda,
+                              jaxflash::BindPagedFwd<true>(ffi::Ffi::Bind()
+                                                               .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                               .Ctx<ffi::DeviceOrdinal>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 NB_MODULE(_jaxflash_cuda, m) {
@@ -163,6 +231,7 @@ NB_MODULE(_jaxflash_cuda, m) {
     nb::dict d;
     d["jaxflash_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashFwdCuda));
     d["jaxflash_bwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashBwdCuda));
+    d["jaxflash_paged_fwd"] = nb::capsule(reinterpret_cast<void*>(&JaxflashPagedFwdCuda));
     return d;
   });
   m.def(
@@ -177,4 +246,23 @@ NB_MODULE(_jaxflash_cuda, m) {
         return out;
       },
       "(family, pass, dtype name, head dim) of every compiled kernel configuration.");
+  m.def(
+      "decode_num_splits",
+      [](int64_t batch, int64_t seqlen_q, int64_t heads_q, int64_t heads_k, int64_t seqlen_k, int64_t head_dim,
+         int device) {
+        namespace dec = jaxflash::decode;
+        if (heads_k <= 0 || !dec::takes_call(seqlen_q, heads_q / heads_k, false)) return 0;
+        // No GPU to ask (tracing on a machine without one): no split, which is correct anywhere.
+        jaxflash::DeviceInfo info;
+        if (jaxflash::device_info(device, &info) != cudaSuccess) return 1;
+        const int64_t tiles = batch * heads_k * ((seqlen_q * (heads_q / heads_k) + dec::kRows - 1) / dec::kRows);
+        // Resident thread blocks per SM: shared memory decides (at most 2: registers).
+        int64_t per_sm = info.smem_per_multiprocessor / (dec::smem_bytes(int(head_dim)) + 1024);
+        per_sm = per_sm < 1 ? 1 : (per_sm > 2 ? 2 : per_sm);
+        return dec::choose_num_splits(tiles, seqlen_k, per_sm * info.multiprocessors);
+      },
+      nb::arg("batch"), nb::arg("seqlen_q"), nb::arg("heads_q"), nb::arg("heads_k"), nb::arg("seqlen_k"),
+      nb::arg("head_dim"), nb::arg("device") = 0,
+      "Key splits of the decode kernel for this forward call without dropout on `device`: 1 for none, 0 when the "
+      "decode kernel does not take the call (too many query rows per K/V head). Static per shape.");
 }
