@@ -5,8 +5,9 @@
 #   1. build and install jaxflash without build isolation, CUDA required (JAXFLASH_CUDA=ON);
 #   2. pytest -m gpu: forward and backward vs the float64 oracle (every dtype and head dim, odd lengths, GQA,
 #      causal, every mask kind, softcap, dropout incl. CPU/CUDA mask equality, NaN padding, poisoned outputs,
-#      determinism, jit/vmap/grad on the GPU);
-#   3. compute-sanitizer memcheck and racecheck on small forward and backward cases (masks and dropout too);
+#      determinism, jit/vmap/grad on the GPU), the decode kernel and paged_attention;
+#   3. compute-sanitizer memcheck and racecheck on small forward and backward cases (masks, dropout and the
+#      decode kernel too);
 #   4. the benchmarks: `python -m jaxflash.bench --suite S` for each S in BENCH_SUITES (default "targets masks
 #      dropout": the CUDA issues' target shapes, the mask speedups, the dropout cost; "sweep" is the full grid),
 #      each with --out $LOG/bench_S (CSV, JSON, PNG); BENCH_ARGS passes further options to every suite.
@@ -113,6 +114,17 @@ for kw in [dict(window=(40, 3), q_lengths=jnp.array([150, 70]), kv_lengths=jnp.a
     for det in (False, True):
         o, vjp = jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v, deterministic=det, backend="cuda", **kw), q, k, k)
         assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in (o, *vjp(jnp.ones_like(q))))
+# The decode kernel: keys split across thread blocks, packed GQA rows, lengths, masks, softcap, a paged cache.
+q = jnp.asarray(rng.standard_normal((2, 2, 8, 128)), "bfloat16")
+k = jnp.asarray(rng.standard_normal((2, 3008, 2, 128)), "bfloat16")
+for kw in [dict(), dict(causal=True, kv_lengths=jnp.array([2999, 5]), softcap=5.0),
+           dict(window=(100, 0), q_segment_ids=jnp.zeros((2, 2), jnp.int32),
+                kv_segment_ids=jnp.asarray(rng.integers(0, 2, (2, 3008)), jnp.int32))]:
+    assert np.isfinite(np.asarray(jaxflash.attention(q, k, k, backend="cuda", **kw), np.float32)).all()
+cache, table = k.reshape(-1, 16, 2, 128), jnp.arange(376, dtype=jnp.int32).reshape(2, 188)
+for n in (None, 1, 5):
+    o = jaxflash.paged_attention(q, cache, cache, table, jnp.array([3008, 77], jnp.int32), causal=True, num_splits=n)
+    assert np.isfinite(np.asarray(o, np.float32)).all()
 print("small forward and backward cases ran")
 PYEOF
 # Each kernel family (JAXFLASH_TEST_FAMILIES, as for pytest): "auto" runs the sm90 kernels on a Hopper GPU.
