@@ -314,7 +314,10 @@ def _platform(x) -> str:
     return jax.default_backend()
 
 
-def _resolve_backend(fn, backend, query) -> str:
+def _resolve_backend(fn, backend, query, supported=None, remedy="cast, pad the head dim, or use backend='reference'"
+                     ) -> str:
+    """"cpu", "cuda" or "reference" for `backend` (None: where the inputs are); for "cuda", the module must be
+    built and (dtype name, head dim) among `supported` (default: the compiled forward configurations)."""
     if backend not in BACKENDS:
         _fail(fn, ValueError, f"backend must be one of None, 'cpu', 'cuda', 'reference'; got {backend!r}")
     if backend == "reference":
@@ -333,10 +336,9 @@ def _resolve_backend(fn, backend, query) -> str:
         if not on_gpu:
             _fail(fn, ValueError, f"backend='cuda' needs the inputs on a GPU; they are on {platform}")
         dtype, d = jnp.dtype(query.dtype), query.shape[-1]
-        supported = _ffi.cuda_supported("fwd")
+        supported = _ffi.cuda_supported("fwd") if supported is None else supported
         if (dtype.name, d) not in supported:
             have = sorted({hd for _, hd in supported})
             _fail(fn, NotImplementedError, f"the CUDA kernel supports bfloat16 and float16 with head dims {have}; got "
-                                           f"{dtype} with head dim {d} (cast, pad the head dim, or use "
-                                           f"backend='reference')")
+                                           f"{dtype} with head dim {d} ({remedy})")
     return backend

@@ -229,11 +229,5 @@ def _check_backend(backend, query) -> str:
     """"cpu" or "cuda": where the kernel runs (the inputs' platform when backend is None)."""
     if backend not in (None, "cpu", "cuda"):
         raise ValueError(f"{_NAME}: backend must be None, 'cpu' or 'cuda'; got {backend!r}")
-    backend = _resolve_backend(_NAME, backend, query)
-    if backend == "cuda":
-        dtype, d = jnp.dtype(query.dtype).name, query.shape[-1]
-        have = sorted({hd for f, _, t, hd in _ffi.cuda_configs() if f == "decode" and t == dtype})
-        if d not in have:
-            raise NotImplementedError(f"{_NAME}: the CUDA kernel supports bfloat16 and float16 with head dims "
-                                      f"{have or 'none'}; got {dtype} with head dim {d}")
-    return backend
+    decode = {(t, d) for f, _, t, d in _ffi.cuda_configs() if f == "decode"}
+    return _resolve_backend(_NAME, backend, query, supported=decode, remedy="cast or pad the head dim")

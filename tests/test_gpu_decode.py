@@ -63,7 +63,7 @@ CASES = ([("causal", shape, d, dt) for shape in SHAPES for d in HEAD_DIMS for dt
 def test_decode_shapes_match_oracle(kind_name, shape, d, dtype):
     if (dtype, d) not in DECODE:
         pytest.skip(f"decode kernel not compiled for {dtype} d={d}")
-    kind = {"causal": dict(causal=True), "full": {}}.get(kind_name) or KINDS[kind_name]
+    kind = {"causal": dict(causal=True), "full": {}}[kind_name] if kind_name in ("causal", "full") else KINDS[kind_name]
     sq, sk, hq, hk = shape
     rng = np.random.default_rng(stable_seed("decode", kind_name, shape, d, dtype))
     q, k, v, _ = make_inputs(int(rng.integers(2**31)), (2,), sq, sk, hq, hk, d, DTYPES[dtype])

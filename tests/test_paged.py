@@ -77,8 +77,8 @@ def naive(q, kc, vc, table, lengths, **kw):
     return reference.attention_with_lse(q, *rows, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kw)
 
 
-def check(case, dtype_name, q, kc, vc, table, lengths, **kw):
-    out, lse = jaxflash.paged_attention(q, kc, vc, table, lengths, return_lse=True, **kw)
+def check(case, dtype_name, q, kc, vc, table, lengths, num_splits=None, **kw):
+    out, lse = jaxflash.paged_attention(q, kc, vc, table, lengths, return_lse=True, num_splits=num_splits, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     ref_o, ref_lse = paged_oracle(q, kc, vc, table, lengths, **kw)
     base_o, base_lse = naive(q, kc, vc, table, lengths, **kw)

@@ -24,8 +24,8 @@ cudaError_t run_fwd(const DecodeParams& p, cudaStream_t stream, int device) {
   kSplit<<<dim3(unsigned(tiles), unsigned(p.num_splits)), dim3(kThreads), kSmem, stream>>>(p);
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess || p.num_splits == 1) return err;
   const int64_t rows = d.batch * d.seqlen_q * d.heads_q;
-  if (!grid_fits((rows + 3) / 4)) return cudaErrorInvalidConfiguration;
-  decode_combine_kernel<kDType, kHeadDim><<<dim3(unsigned((rows + 3) / 4)), dim3(128), 0, stream>>>(p);
+  if (!grid_fits(rows)) return cudaErrorInvalidConfiguration;
+  decode_combine_kernel<kDType, kHeadDim><<<dim3(unsigned(rows)), dim3(kCombineThreads), 0, stream>>>(p);
   return cudaPeekAtLastError();
 }
 

@@ -101,27 +101,35 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Where a tile's keys lie: element offset of key j's row (this tile's K/V head) in k or v. With a block
-// table, a page outside the cache reads page 0 instead and raises `bad` (the tile then writes NaN).
+// Where a tile's keys lie: element offset of key j's row (this tile's K/V head) in k or v. Through a block
+// table, key j is slot j % page_size of page table[j / page_size]; the division is a multiply by a 64-bit
+// reciprocal (exact for 32-bit j: Lemire's fastmod), since a real one costs dozens of instructions per row.
+// A page outside the cache reads page 0 instead and raises `bad` (the tile then writes NaN).
 struct KeyRows {
-  int64_t base;        // contiguous: b's first key; paged: the head's offset within a row
-  int64_t row_stride;  // heads_k * head_dim
+  int64_t base;          // contiguous: b's first key; paged: the head's offset within a row
+  int64_t row_stride;    // heads_k * head_dim
   const int32_t* table;  // b's block-table row, or null
-  int64_t page_size, num_pages;
+  uint32_t page_size;
+  uint64_t page_inverse;  // ceil(2^64 / page_size)
+  int64_t num_pages;
 
-  __device__ __forceinline__ int64_t offset(int64_t j, bool& bad) const {
+  __device__ __forceinline__ uint32_t page_index(int64_t j) const {
+    return uint32_t(__umul64hi(page_inverse, uint64_t(j)));
+  }
+  // Contiguous keys; or paged, with `page` = table[page_index(j)] read earlier.
+  __device__ __forceinline__ int64_t offset(int64_t j, int32_t page, bool& bad) const {
     if (table == nullptr) return base + j * row_stride;
-    int64_t page = table[j / page_size];
     if (page < 0 || page >= num_pages) {
       bad = true;
       page = 0;
     }
-    return base + (page * page_size + j % page_size) * row_stride;
+    const uint32_t slot = uint32_t(j) - page_index(j) * page_size;
+    return base + (int64_t(page) * page_size + slot) * row_stride;
   }
 };
 
 template <DType kDType, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, blocks_per_sm(kHeadDim)) decode_split_kernel(const DecodeParams p) {
   using E = Elem<kDType>;
   using T = typename E::T;
   constexpr int kRowElems = row_elems(kHeadDim), kStages = num_stages(kHeadDim);
@@ -171,10 +179,11 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodePara
   const int64_t kv_row_stride = d.heads_k * d.head_dim;
   KeyRows rows;
   if (p.paged.block_table == nullptr) {
-    rows = {(b * d.seqlen_k * d.heads_k + hk) * d.head_dim, kv_row_stride, nullptr, 1, 0};
+    rows = {(b * d.seqlen_k * d.heads_k + hk) * d.head_dim, kv_row_stride, nullptr, 1, 0, 0};
   } else {
-    rows = {hk * d.head_dim, kv_row_stride, p.paged.block_table + b * p.paged.pages_per_seq, p.paged.page_size,
-            p.paged.num_pages};
+    const uint32_t ps = uint32_t(p.paged.page_size);
+    rows = {hk * d.head_dim, kv_row_stride, p.paged.block_table + b * p.paged.pages_per_seq, ps,
+            ~uint64_t(0) / ps + 1, p.paged.num_pages};
   }
   // A paged sequence's length outside [0, capacity] is an error the host cannot see: NaN, like a bad page.
   bool bad = p.paged.block_table != nullptr &&
@@ -189,23 +198,68 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodePara
     const T* src = q + ((b * d.seqlen_q + i) * d.heads_q + h) * d.head_dim + col;
     cp_async_16(smem_addr(sQ + r * kRowElems + col), src, valid);
   }
+  // Each thread copies kLoads 16-byte chunks of K and the same of V per stage. With a block table, the page
+  // numbers of the rows of the next stage to load are read one iteration ahead, so the table's latency
+  // overlaps a stage of compute instead of stalling the copy.
+  constexpr int kLoads = kBlockN * kChunks / kThreads;
+  static_assert(kBlockN * kChunks % kThreads == 0, "a stage must split evenly over the threads");
+  int32_t pages[kLoads] = {};
+  auto fetch_pages = [&](int blk) {
+    if (rows.table == nullptr || blk >= n_blocks) return;
+    const int64_t j0 = key0 + int64_t(blk) * kBlockN;
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int64_t j = j0 + (tid + l * kThreads) / kChunks;
+      pages[l] = j < key_end ? rows.table[rows.page_index(j)] : 0;
+    }
+  };
   auto load_stage = [&](int stage, int blk) {
     T* sK = sKV + stage * kStageElems;
     T* sV = sK + kBlockN * kRowElems;
     const int64_t j0 = key0 + int64_t(blk) * kBlockN;
-    for (int c = tid; c < kBlockN * kChunks; c += kThreads) {
-      const int r = c / kChunks, col = (c % kChunks) * 8;
-      const int64_t j = j0 + r;
-      const bool valid = j < key_end;
-      const int64_t off = valid ? rows.offset(j, bad) + col : 0;
-      cp_async_16(smem_addr(sK + r * kRowElems + col), k + off, valid);
-      cp_async_16(smem_addr(sV + r * kRowElems + col), v + off, valid);
+    if constexpr (kThreads % kChunks == 0) {
+      // A thread's chunks share a column and sit kRowStep rows apart (every head dim but 96 and 192): one
+      // address computation per stage, then fixed strides.
+      constexpr int kRowStep = kThreads / kChunks;
+      const int r0 = tid / kChunks, col = (tid % kChunks) * 8;
+      const uint32_t dst_k = smem_addr(sK + r0 * kRowElems + col), dst_v = smem_addr(sV + r0 * kRowElems + col);
+      const int64_t first = j0 + r0, left = key_end - first;  // chunk l is valid while l * kRowStep < left
+      if (rows.table == nullptr) {
+        const int64_t off = rows.base + first * rows.row_stride + col, step = kRowStep * rows.row_stride;
+#pragma unroll
+        for (int l = 0; l < kLoads; ++l) {
+          const bool valid = l * kRowStep < left;
+          const int64_t o = valid ? off + l * step : 0;
+          cp_async_16(dst_k + l * kRowStep * kRowElems * 2, k + o, valid);
+          cp_async_16(dst_v + l * kRowStep * kRowElems * 2, v + o, valid);
+        }
+      } else {
+#pragma unroll
+        for (int l = 0; l < kLoads; ++l) {
+          const bool valid = l * kRowStep < left;
+          const int64_t o = valid ? rows.offset(first + l * kRowStep, pages[l], bad) + col : 0;
+          cp_async_16(dst_k + l * kRowStep * kRowElems * 2, k + o, valid);
+          cp_async_16(dst_v + l * kRowStep * kRowElems * 2, v + o, valid);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        const int c = tid + l * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+        const int64_t j = j0 + r;
+        const bool valid = j < key_end;
+        const int64_t o = valid ? rows.offset(j, pages[l], bad) + col : 0;
+        cp_async_16(smem_addr(sK + r * kRowElems + col), k + o, valid);
+        cp_async_16(smem_addr(sV + r * kRowElems + col), v + o, valid);
+      }
     }
   };
   for (int s = 0; s < kStages - 1; ++s) {
+    fetch_pages(s);
     if (s < n_blocks) load_stage(s, s);
     cp_async_commit();
   }
+  fetch_pages(kStages - 1);
 
   // Per thread: rows g and g + 8 of the tile (g = lane / 4), columns 2 (lane % 4) + {0, 1} of each n8 tile.
   const int g = lane / 4, qd = lane % 4;
@@ -230,6 +284,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodePara
     __syncthreads();
     if (it + kStages - 1 < n_blocks) load_stage((it + kStages - 1) % kStages, it + kStages - 1);
     cp_async_commit();
+    fetch_pages(it + kStages);
 
     const T* sK = sKV + (it % kStages) * kStageElems + warp * 16 * kRowElems;
     const T* sV = sK + kBlockN * kRowElems;
@@ -244,21 +299,23 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodePara
       mma_16816<kDType>(s[1], a, bk[2], bk[3]);
     }
     // Scores in log2 units; hidden ones -inf. The whole stage is checked once; elements only at edges.
-    const int64_t j0 = key0 + int64_t(it) * kBlockN, jw = j0 + warp * 16;
-    const bool whole = !segments && j0 + kBlockN <= key_end && block_fully_visible(bm, i_lo, i_hi, j0, j0 + kBlockN);
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[t][e];
-        if (cap > 0.f) x = cap * tanh_approx(x * cap_in);
-        x *= score_scale;
-        if (!whole) {
-          const int64_t i = row_i[e / 2], j = jw + 8 * t + 2 * qd + (e % 2);
-          if (i < 0 || j >= key_end || !is_visible(bm, i, j)) x = -INFINITY;
-        }
-        s[t][e] = x;
+        if (cap > 0.f) s[t][e] = cap * tanh_approx(s[t][e] * cap_in);
+        s[t][e] *= score_scale;
       }
+    const int64_t j0 = key0 + int64_t(it) * kBlockN, jw = j0 + warp * 16;
+    if (segments || j0 + kBlockN > key_end || !block_fully_visible(bm, i_lo, i_hi, j0, j0 + kBlockN)) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t i = row_i[e / 2], j = jw + 8 * t + 2 * qd + (e % 2);
+          if (i < 0 || j >= key_end || !is_visible(bm, i, j)) s[t][e] = -INFINITY;
+        }
+    }
     // Online softmax, per row (a row's 16 scores sit in one quad).
     uint32_t pa[4];
 #pragma unroll
@@ -363,55 +420,65 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodePara
 }
 
 // Merges the splits of every (b, query, head) row: LSE = logsumexp of the parts', O = the parts weighted by
-// exp(LSE_s - LSE). Parts with LSE -inf (no visible key) weigh 0; a row with none gives 0 and -inf. One warp
-// per row.
+// exp(LSE_s - LSE). Parts with LSE -inf (no visible key) weigh 0; a row with none gives 0 and -inf; a NaN part
+// (a page outside the cache) makes the row NaN. One thread block per row: the parts' LSEs are read at once,
+// then each thread sums 4 columns over every kGroups-th split and the groups add up in shared memory, so the
+// loads of many splits are in flight together (one warp looping over 47 splits took 37 us on an H200).
+constexpr int kCombineThreads = 128;
+
 template <DType kDType, int kHeadDim>
-__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kCombineThreads) decode_combine_kernel(const DecodeParams p) {
   using E = Elem<kDType>;
   using T = typename E::T;
+  constexpr int kColGroups = kHeadDim / 4, kGroups = kCombineThreads / kColGroups;
+  static_assert(kHeadDim % 4 == 0 && kGroups >= 1, "float4 columns");
+  __shared__ float s_lse[kMaxSplits];
+  __shared__ float4 s_acc[kGroups][kColGroups];
   const AttnDims& d = p.fwd.dims;
   const int64_t rows_all = d.batch * d.seqlen_q * d.heads_q;
-  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;  // (b, i, h) in o's order
-  const int lane = threadIdx.x % 32;
-  if (row >= rows_all) return;
+  const int64_t row = blockIdx.x;  // (b, i, h) in o's order
+  const int tid = threadIdx.x, n = p.num_splits;
   const int64_t h = row % d.heads_q, bi = row / d.heads_q, i = bi % d.seqlen_q, b = bi / d.seqlen_q;
   const int64_t stat = (b * d.heads_q + h) * d.seqlen_q + i;  // in lse's order
+  if (tid < n) s_lse[tid] = p.lse_part[tid * rows_all + stat];
+  __syncthreads();
   float m = -INFINITY;
-  for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, p.lse_part[s * rows_all + stat]);
-#pragma unroll
-  for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
-  // A NaN part (a page outside the cache) makes the row NaN.
   bool nan = false;
+  for (int s = 0; s < n; ++s) {
+    m = fmaxf(m, s_lse[s]);
+    nan |= s_lse[s] != s_lse[s];
+  }
   float total = 0.f;
-  for (int s = lane; s < p.num_splits; s += 32) {
-    const float l = p.lse_part[s * rows_all + stat];
-    nan |= l != l;
-    total += m == -INFINITY ? 0.f : expf(l - m);
-  }
-#pragma unroll
-  for (int x = 16; x > 0; x /= 2) total += __shfl_xor_sync(0xffffffffu, total, x);
-  nan = __any_sync(0xffffffffu, nan);
+  for (int s = 0; s < n; ++s) total += m == -INFINITY ? 0.f : expf(s_lse[s] - m);
   const bool empty = !(total > 0.f);
-  constexpr int kPerLane = (kHeadDim + 31) / 32;
-  float acc[kPerLane];
-#pragma unroll
-  for (int c = 0; c < kPerLane; ++c) acc[c] = 0.f;
-  if (!empty) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float l = p.lse_part[s * rows_all + stat];
-      if (l == -INFINITY) continue;
-      const float w = expf(l - m) / total;
-      const float* part = p.o_part + (s * rows_all + row) * d.head_dim;
-#pragma unroll
-      for (int c = 0; c < kPerLane; ++c)
-        if (lane + 32 * c < kHeadDim) acc[c] += w * part[lane + 32 * c];
+  const float inv = empty ? 0.f : 1.f / total;
+  const int cg = tid % kColGroups, g = tid / kColGroups;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (g < kGroups) {
+#pragma unroll 4
+    for (int s = g; s < n; s += kGroups) {
+      const float w = m == -INFINITY ? 0.f : expf(s_lse[s] - m) * inv;
+      const float4 x = reinterpret_cast<const float4*>(p.o_part + (s * rows_all + row) * d.head_dim)[cg];
+      acc.x += w * x.x;
+      acc.y += w * x.y;
+      acc.z += w * x.z;
+      acc.w += w * x.w;
     }
+    s_acc[g][cg] = acc;
   }
-  T* o = static_cast<T*>(p.fwd.o) + row * d.head_dim;
-#pragma unroll
-  for (int c = 0; c < kPerLane; ++c)
-    if (lane + 32 * c < kHeadDim) o[lane + 32 * c] = E::from_float(nan ? NAN : acc[c]);
-  if (lane == 0) p.fwd.lse[stat] = nan ? NAN : (empty ? -INFINITY : m + logf(total));
+  __syncthreads();
+  if (g != 0) return;
+  for (int k = 1; k < kGroups; ++k) {
+    const float4 x = s_acc[k][cg];
+    acc.x += x.x;
+    acc.y += x.y;
+    acc.z += x.z;
+    acc.w += x.w;
+  }
+  T* o = static_cast<T*>(p.fwd.o) + row * d.head_dim + 4 * cg;
+  *reinterpret_cast<uint32_t*>(o) = nan ? E::pack(NAN, NAN) : E::pack(acc.x, acc.y);
+  *reinterpret_cast<uint32_t*>(o + 2) = nan ? E::pack(NAN, NAN) : E::pack(acc.z, acc.w);
+  if (tid == 0) p.fwd.lse[stat] = nan ? NAN : (empty ? -INFINITY : m + logf(total));
 }
 
 }  // namespace jaxflash::decode

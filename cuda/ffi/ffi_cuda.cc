@@ -116,9 +116,11 @@ ffi::Error LaunchDecode(const char* target, DType dtype, DecodeParams& p, ffi::R
   p.o_part = n > 1 ? o_part->typed_data() : nullptr;
   p.lse_part = n > 1 ? lse_part->typed_data() : nullptr;
   const int64_t tiles = d.batch * d.heads_k * ((d.seqlen_q * d.group() + decode::kRows - 1) / decode::kRows);
-  if (tiles > INT32_MAX || (rows + 3) / 4 > INT32_MAX)
-    return Invalid(target, "batch x key/value heads x ceil(Sq x group / 16) must be below 2^31; got " +
-                               std::to_string(tiles));
+  if (tiles > INT32_MAX || rows > INT32_MAX)
+    return Invalid(target, "batch x key/value heads x ceil(Sq x group / 16) and batch x Sq x heads must be below "
+                           "2^31; got " + std::to_string(tiles) + " and " + std::to_string(rows));
+  if (p.paged.block_table != nullptr && d.seqlen_k > INT32_MAX)  // the kernel divides 32-bit key indices
+    return Invalid(target, "pages_per_seq x page_size must be below 2^31; got " + std::to_string(d.seqlen_k));
   if (cudaError_t err = run_decode(dtype, int(d.head_dim), p, stream, device); err != cudaSuccess)
     return CudaFailed(target, "kernel launch", err);
   return ffi::Error::Success();
@@ -256,9 +258,10 @@ NB_MODULE(_jaxflash_cuda, m) {
         jaxflash::DeviceInfo info;
         if (jaxflash::device_info(device, &info) != cudaSuccess) return 1;
         const int64_t tiles = batch * heads_k * ((seqlen_q * (heads_q / heads_k) + dec::kRows - 1) / dec::kRows);
-        // Resident thread blocks per SM: shared memory decides (at most 2: registers).
+        // Resident thread blocks per SM: as many as shared memory holds, at most what the registers allow.
         int64_t per_sm = info.smem_per_multiprocessor / (dec::smem_bytes(int(head_dim)) + 1024);
-        per_sm = per_sm < 1 ? 1 : (per_sm > 2 ? 2 : per_sm);
+        const int64_t most = dec::blocks_per_sm(int(head_dim));
+        per_sm = per_sm < 1 ? 1 : (per_sm > most ? most : per_sm);
         return dec::choose_num_splits(tiles, seqlen_k, per_sm * info.multiprocessors);
       },
       nb::arg("batch"), nb::arg("seqlen_q"), nb::arg("heads_q"), nb::arg("heads_k"), nb::arg("seqlen_k"),
