@@ -1,5 +1,6 @@
 """The CUDA handlers declare themselves command-buffer compatible: XLA may record them into a CUDA graph and
-replay it. A jitted forward+backward (deterministic, so results are bitwise reproducible) runs in a fresh
+replay it. A jitted forward+backward (deterministic, so results are bitwise reproducible) and two decoding calls
+(the split-KV decode kernel on a contiguous and on a paged cache) run in a fresh
 process with XLA's command buffers enabled for custom calls and in one without; the results must be bitwise
 equal, and XLA's own output must show the jaxflash custom calls inside a command buffer. XLA reads its flags
 once per process, hence the subprocesses.
@@ -30,12 +31,20 @@ out_file, hlo_file = sys.argv[1], sys.argv[2]
 rng = np.random.default_rng(0)
 q, do = (jnp.asarray(rng.standard_normal((2, 300, 4, 128)), jnp.bfloat16) for _ in range(2))
 k, v = (jnp.asarray(rng.standard_normal((2, 257, 2, 128)), jnp.bfloat16) for _ in range(2))
+# Decoding: one query row per head against a long cache (the decode kernel splits its keys), and the same
+# cache in pages.
+kl, vl = (jnp.asarray(rng.standard_normal((2, 8192, 2, 128)), jnp.bfloat16) for _ in range(2))
+table = jnp.arange(2 * 512, dtype=jnp.int32).reshape(2, 512)[:, ::-1]
+lengths = jnp.array([8192, 5000], jnp.int32)
 
 @jax.jit
 def step(q, k, v, do):
     o, vjp = jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v, causal=True, deterministic=True,
                                                         backend="cuda"), q, k, v)
-    return (o, *vjp(do))
+    decode = jaxflash.attention(q[:, :1], kl, vl, backend="cuda")
+    paged = jaxflash.paged_attention(q[:, :1], kl.reshape(-1, 16, 2, 128), vl.reshape(-1, 16, 2, 128), table,
+                                     lengths)
+    return (o, *vjp(do), decode, paged)
 
 compiled = step.lower(q, k, v, do).compile()
 with open(hlo_file, "w") as f:
@@ -96,5 +105,5 @@ def test_custom_calls_run_in_command_buffer_bitwise(tmp_path):
         assert key in graph
         np.testing.assert_array_equal(graph[key], plain[key], err_msg=key)
     files = sorted(p.name for p in dump.iterdir()) if dump.exists() else []
-    assert _targets_in_command_buffers(hlo, dump) == {"jaxflash_fwd", "jaxflash_bwd"}, (
-        f"the jaxflash custom calls are not both inside a command buffer; dump files: {files[:60]}")
+    assert _targets_in_command_buffers(hlo, dump) == {"jaxflash_fwd", "jaxflash_bwd", "jaxflash_paged_fwd"}, (
+        f"the jaxflash custom calls are not all inside a command buffer; dump files: {files[:60]}")
