@@ -423,8 +423,8 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kHeadDim)) decode_spli
 // exp(LSE_s - LSE). Parts with LSE -inf (no visible key) weigh 0; a row with none gives 0 and -inf; a NaN part
 // (a page outside the cache) makes the row NaN. One thread block per row: the parts' LSEs are read at once,
 // then each thread sums 4 columns over every kGroups-th split and the groups add up in shared memory, so the
-// loads of all splits are in flight together (one warp looping over 47 splits took 37 us on an H200).
-constexpr int kCombineThreads = 256;
+// loads of many splits are in flight together (one warp looping over 47 splits took 37 us on an H200).
+constexpr int kCombineThreads = 128;
 
 template <DType kDType, int kHeadDim>
 __global__ void __launch_bounds__(kCombineThreads) decode_combine_kernel(const DecodeParams p) {
@@ -455,7 +455,7 @@ __global__ void __launch_bounds__(kCombineThreads) decode_combine_kernel(const D
   const int cg = tid % kColGroups, g = tid / kColGroups;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (g < kGroups) {
-#pragma unroll 8
+#pragma unroll 4
     for (int s = g; s < n; s += kGroups) {
       const float w = m == -INFINITY ? 0.f : expf(s_lse[s] - m) * inv;
       const float4 x = reinterpret_cast<const float4*>(p.o_part + (s * rows_all + row) * d.head_dim)[cg];
