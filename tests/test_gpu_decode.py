@@ -14,7 +14,7 @@ import pytest
 import oracle
 from conftest import DTYPES, check_close, f64, make_inputs, poison, stable_seed
 from test_masks import KINDS, mask_arrays
-from test_paged import GARBAGE, check, make_cache
+from test_paged import GARBAGE, MASKS as PAGED_MASKS, check, make_cache
 
 import jaxflash
 from jaxflash import _ffi
@@ -122,15 +122,6 @@ def test_paged_head_dims(d):
     case = f"cuda d={d}"
     args = make_cache(stable_seed("paged d", d), [300, 17], 16, 4, 2, d, jnp.bfloat16, sq=2)
     check(case, "bfloat16", *args, causal=True)
-
-
-PAGED_MASKS = {
-    "full": dict(),
-    "causal": dict(causal=True),
-    "window": dict(causal=True, window=(6, None)),
-    "window both sides": dict(window=(3, 2)),
-    "softcap and scale": dict(causal=True, softcap=5.0, scale=0.3),
-}
 
 
 @pytest.mark.parametrize("mask", list(PAGED_MASKS), ids=str)
