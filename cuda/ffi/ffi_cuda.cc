@@ -1,5 +1,6 @@
 // XLA FFI handlers of the CUDA kernels (targets jaxflash_fwd, jaxflash_bwd and jaxflash_paged_fwd, platform
-// "CUDA") and the nanobind module that hands them to Python. Decode, check, fill params, pick the kernel family, launch.
+// "CUDA") and the nanobind module that hands them to Python. Decode, check, fill params, pick the kernel
+// family, launch.
 // They never synchronise and never allocate (workspaces are outputs owned by XLA), and launch the same work
 // for the same shapes, so XLA may capture them in a CUDA graph (kCmdBufferCompatible).
 #include <nanobind/nanobind.h>
