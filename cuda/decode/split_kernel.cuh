@@ -414,7 +414,8 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kHeadDim)) decode_spli
     const int64_t rows_all = d.batch * d.seqlen_q * d.heads_q;
     float* o = p.o_part + (split * rows_all + (b * d.seqlen_q + i) * d.heads_q + h) * d.head_dim + c0;
 #pragma unroll
-    for (int c = 0; c < kCols; c += 4) *reinterpret_cast<float4*>(o + c) = make_float4(out[c], out[c + 1], out[c + 2], out[c + 3]);
+    for (int c = 0; c < kCols; c += 4)
+      *reinterpret_cast<float4*>(o + c) = make_float4(out[c], out[c + 1], out[c + 2], out[c + 3]);
     if (c0 == 0) p.lse_part[split * rows_all + (b * d.heads_q + h) * d.seqlen_q + i] = lse;
   }
 }
