@@ -68,3 +68,24 @@ def test_sm90_forward_kernels_use_wgmma_tma_and_setmaxnreg():
         assert "UTMALDG" in body, f"{name}: no TMA load"
         assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{name}: no setmaxnreg"
         assert "BPT.TRAP" not in body, f"{name}: a trap (built for sm_90 instead of sm_90a?)"
+
+
+def test_sm90_backward_kernels_use_wgmma_tma_and_setmaxnreg():
+    if not _ffi.cuda_built():
+        pytest.skip("jaxflash was built without its CUDA module")
+    configs = [(t, d) for f, p, t, d in _ffi.cuda_configs() if f == "sm90" and p == "bwd"]
+    if not configs:
+        pytest.skip("the CUDA module was built without sm_90a (no sm90 backward configuration)")
+    from jaxflash import _jaxflash_cuda
+
+    functions = _sass_by_function(_jaxflash_cuda.__file__)
+    kernels = {n: b for n, b in functions.items() if n.startswith("_ZN8jaxflash4sm9016flash_bwd_kernel")}
+    assert len(kernels) == 2 * len(configs), sorted(kernels)
+    for name, body in kernels.items():
+        # Sᵀ, dPᵀ and dQ with both operands in shared memory; dV and dK with Pᵀ, dSᵀ from registers.
+        assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, gdesc\[", body), f"{name}: no SS wgmma"
+        assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc\[", body), \
+            f"{name}: no dV/dK wgmma with its A operand from registers (RS)"
+        assert "UTMALDG" in body, f"{name}: no TMA load"
+        assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{name}: no setmaxnreg"
+        assert "BPT.TRAP" not in body, f"{name}: a trap (built for sm_90 instead of sm_90a?)"

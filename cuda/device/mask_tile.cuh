@@ -71,6 +71,41 @@ __forceinline__ __device__ void mask_scores(TS& s, TC const& coords, const Batch
   }
 }
 
+// mask_scores for a tile held key-major (rows = keys, columns = query rows, as the sm90 backward's Sᵀ):
+// coords(r, c) is (key, query row) in the tile. The same visibility taken per key, as the query rows that see
+// it (visible_query_range: exactly the rows whose visible_key_range holds the key), so a thread keeps two
+// bounds per key it holds; segment ids compared per element, query columns outer.
+template <int kTileM, bool kSegments, class TS, class TC>
+__forceinline__ __device__ void mask_scores_by_key(TS& s, TC const& coords, const BatchMask& bm, int64_t key0,
+                                                   int64_t row0) {
+  constexpr int kKeys = decltype(cute::size<0>(s))::value, kCols = decltype(cute::size<1>(s))::value;
+  int lo[kKeys], hi[kKeys];
+  int32_t kid[kKeys];
+  CUTE_UNROLL
+  for (int r = 0; r < kKeys; ++r) {
+    const int64_t key = key0 + cute::get<0>(coords(r, 0));
+    int64_t a, b;
+    visible_query_range(bm, key, key + 1, &a, &b);  // empty past kv_len, clamped to q_len
+    a -= row0;
+    b -= row0;
+    lo[r] = int(a < 0 ? 0 : (a > kTileM ? kTileM : a));
+    hi[r] = int(b < 0 ? 0 : (b > kTileM ? kTileM : b));
+    kid[r] = (kSegments && bm.kv_seg != nullptr && lo[r] < hi[r]) ? bm.kv_seg[key] : 0;
+  }
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c) {
+    const int col = cute::get<1>(coords(0, c));
+    int32_t qid = 0;
+    if (kSegments && bm.q_seg != nullptr) {
+      const int64_t i = row0 + col;
+      qid = i < bm.q_len ? bm.q_seg[i] : 0;  // past q_len the range check already hides it
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kKeys; ++r)
+      if (col < lo[r] || col >= hi[r] || (kSegments && bm.q_seg != nullptr && kid[r] != qid)) s(r, c) = -INFINITY;
+  }
+}
+
 // Shrinks [*b_begin, *b_end) to its first and last index whose id lies in [min, max] of a_ids[a_begin, a_end):
 // for packed documents (sorted ids) exactly the keys (or queries) that can meet the block; unsorted ids only
 // lose some of the skipping. Every thread of the block calls it; `scratch` is 4 ints of shared memory, free

@@ -55,11 +55,12 @@ ffi::Error CudaFailed(const char* target, const char* what, cudaError_t err) {
 
 // The kernel family that runs (pass, dtype, head dim) on `device`: kDecode for a forward call it takes
 // (`decode_shape`: few query rows per K/V head, no dropout), else kSm90 on a compute capability 9.0 GPU when
-// that family has the configuration (its sm_90a code runs nowhere else), else kSm80, which runs on every GPU
-// the module is built for. JAXFLASH_CUDA_KERNELS=sm80, read at every call, forces kSm80 so that the families
-// can be tested against each other on one Hopper GPU.
+// that family has the configuration (its sm_90a code runs nowhere else) and takes the call (`sm90_takes`:
+// its backward has no dropout and no deterministic mode yet), else kSm80, which runs on every GPU the module
+// is built for. JAXFLASH_CUDA_KERNELS=sm80, read at every call, forces kSm80 so that the families can be
+// tested against each other on one Hopper GPU.
 ffi::Error SelectFamily(const char* target, int device, Pass pass, DType dtype, int64_t head_dim, bool decode_shape,
-                        Family* family) {
+                        bool sm90_takes, Family* family) {
   if (dtype == DType::kF32)
     return Invalid(target, "dtype must be bfloat16 or float16 on the GPU; got float32");
   const char* forced = std::getenv("JAXFLASH_CUDA_KERNELS");
@@ -72,7 +73,7 @@ ffi::Error SelectFamily(const char* target, int device, Pass pass, DType dtype, 
     return CudaFailed(target, "reading the device's attributes", err);
   if (!force_sm80 && decode_shape && pass == Pass::kFwd && is_compiled(Family::kDecode, pass, dtype, head_dim)) {
     *family = Family::kDecode;
-  } else if (!force_sm80 && info.cc_major == 9 && info.cc_minor == 0 &&
+  } else if (!force_sm80 && sm90_takes && info.cc_major == 9 && info.cc_minor == 0 &&
              is_compiled(Family::kSm90, pass, dtype, head_dim)) {
     *family = Family::kSm90;
   } else if (is_compiled(Family::kSm80, pass, dtype, head_dim)) {
@@ -144,7 +145,7 @@ ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   if (auto e = ToDType(kFwdTarget, q.element_type(), &dtype); e.failure()) return e;
   const bool decode_shape = decode::takes_call(p.dims.seqlen_q, p.dims.group(), p.dropout.rate > 0.f);
   // Even for empty tensors, so that an unsupported dtype or head dim is always reported.
-  if (auto e = SelectFamily(kFwdTarget, device, Pass::kFwd, dtype, p.dims.head_dim, decode_shape, &family);
+  if (auto e = SelectFamily(kFwdTarget, device, Pass::kFwd, dtype, p.dims.head_dim, decode_shape, true, &family);
       e.failure())
     return e;
   if (family == Family::kDecode) return LaunchDecode(kFwdTarget, dtype, dp, o_part, lse_part, stream, device);
@@ -169,7 +170,8 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
       e.failure())
     return e;
   if (auto e = ToDType(kBwdTarget, q.element_type(), &dtype); e.failure()) return e;
-  if (auto e = SelectFamily(kBwdTarget, device, Pass::kBwd, dtype, p.dims.head_dim, false, &family); e.failure())
+  if (auto e = SelectFamily(kBwdTarget, device, Pass::kBwd, dtype, p.dims.head_dim, false,
+                            p.dropout.rate == 0.f && !p.deterministic, &family); e.failure())
     return e;
   if (auto e = CheckGrid(kBwdTarget, p.dims); e.failure()) return e;
   if (q.element_count() == 0 || k.element_count() == 0) {

@@ -15,4 +15,9 @@ namespace jaxflash::sm90 {
 template <DType kDType, int kHeadDim>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream, int device);
 
+// The backward without dropout and deterministic mode (cudaErrorNotSupported for those: the handler runs
+// the sm80 family's backward for them).
+template <DType kDType, int kHeadDim>
+cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device);
+
 }  // namespace jaxflash::sm90

@@ -1,0 +1,185 @@
+// What the backward kernels of every family share: the preprocess (delta, dq_accum cleared) and convert
+// (dq = scale · dq_accum) kernels, and the element-wise rules that recompute P from the scores and turn dP into
+// dS (softcap, dropout, rows that see no key). The rules work on any rowcol view whose coordinates give
+// (query row, key column), whatever the accumulator's orientation.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "mask.h"
+#include "mask_tile.cuh"
+#include "params.h"
+#include "philox.h"
+#include "softmax.cuh"
+
+namespace jaxflash {
+
+using cute::get;
+using cute::size;
+using cute::Tensor;
+
+// Two adjacent fp32 values added to global memory; one vector atomic on Hopper.
+__forceinline__ __device__ void atomic_add_pair(float* addr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(addr), make_float2(a, b));
+#else
+  atomicAdd(addr, a);
+  atomicAdd(addr + 1, b);
+#endif
+}
+
+// LSE of a query row in log2 units, as the exponent offset of P = exp2(s·scale·log2 e − lse·log2 e). Rows
+// past the end and rows that see no key (LSE = −inf) get +inf, so their P is exactly 0.
+__forceinline__ __device__ float lse_log2_of(const float* lse_row, int64_t row, int64_t rows) {
+  if (row >= rows) return INFINITY;
+  const float l = lse_row[row];
+  return l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+}
+
+// What the backward pass adds to dS = P ∘ (dP − delta) for softcap and dropout (default: the plain rule).
+struct BwdExtras {
+  float softcap = 0.f;  // > 0: scores were soft-capped
+  float t_scale = 0.f;  // ln 2 / softcap: turns log2(P) + LSE·log2 e into t = capped score / cap
+  bool dropout = false;
+  DropoutDraw draw{};
+  float inv_keep = 1.f;  // 1 / (1 − rate)
+
+  BwdExtras() = default;
+  __device__ BwdExtras(const BwdParams& p, int64_t batch) {
+    if (p.softcap > 0.f) {
+      softcap = p.softcap;
+      t_scale = 0.6931471805599453f / p.softcap;
+    }
+    if (p.dropout.rate > 0.f) {
+      dropout = true;
+      draw = dropout_draw(p.dropout, batch);
+      inv_keep = 1.f / (1.f - p.dropout.rate);
+    }
+  }
+};
+
+// Raw Q·Kᵀ -> the scores the forward's softmax saw: soft-capped if asked, −inf where the mask hides (kMasked;
+// mask_tile.cuh). kExtras as in the forward kernel: compiles in softcap and segment ids.
+template <bool kExtras, bool kMasked, int kTileN, class TAcc, class TC>
+__forceinline__ __device__ void recompute_scores(TAcc& acc, TC const& coords, const BwdParams& p, const BatchMask& bm,
+                                                 int64_t m0, int64_t n0) {
+  if (kExtras && p.softcap > 0.f) softcap_scores(acc, p.scale, p.softcap);
+  if constexpr (kMasked) {
+    Tensor s = rowcol(acc);
+    mask_scores<kTileN, kExtras>(s, coords, bm, m0, n0);
+  }
+}
+
+// In place: s (rowcol view of scores, −inf where masked) -> P = exp2(s·score_log2 − lse2[row]).
+template <class TS, int kRows>
+__forceinline__ __device__ void scores_to_probs(TS& s, const float (&lse2)[kRows], float score_log2) {
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) s(r, c) = exp2f(fmaf(s(r, c), score_log2, -lse2[r]));
+  }
+}
+
+// In place: dp (rowcol view of dP = dO·Vᵀ) -> dS = P ∘ (dP ∘ Z − delta) ∘ (1 − t²), and pr -> P ∘ Z (what dV
+// needs). Z = keep / (1 − rate) is the forward's dropout, drawn again from the same counters; t is the capped
+// score over the cap, recovered from P itself (log2 P + lse2 = s'·log2 e) instead of holding the scores in
+// registers. Without softcap and dropout this is the plain P ∘ (dP − delta).
+template <bool kExtras, class TP, class TD, class TC, int kRows>
+__forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP& pr, TC const& coords, const float (&delta)[kRows],
+                                                  const float (&lse2)[kRows], const BwdExtras& x, uint32_t head,
+                                                  int64_t m0, int64_t n0) {
+  auto cap_factor = [&](int r, float prob) {
+    if (x.softcap == 0.f) return 1.f;
+    const float t = (log2f(prob) + lse2[r]) * x.t_scale;
+    return prob > 0.f ? 1.f - t * t : 0.f;
+  };
+  if (kExtras && x.dropout) {
+    for_each_keep(coords, x.draw, head, m0, n0, [&](int r, int c, bool keep) {
+      const float prob = pr(r, c);
+      const float dpz = keep ? dp(r, c) * x.inv_keep : 0.f;
+      dp(r, c) = prob * (dpz - delta[r]) * cap_factor(r, prob);
+      pr(r, c) = keep ? prob * x.inv_keep : 0.f;
+    });
+  } else if (kExtras && x.softcap > 0.f) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dp); ++c) dp(r, c) = pr(r, c) * (dp(r, c) - delta[r]) * cap_factor(r, pr(r, c));
+    }
+  } else {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dp); ++c) dp(r, c) = pr(r, c) * (dp(r, c) - delta[r]);
+    }
+  }
+}
+
+// Stats of the rows a thread holds: lse2 (lse_log2_of) and delta; rows past q_len get P = 0 and delta 0, so
+// whatever their dO holds never reaches a gradient.
+template <class TC, int kRows>
+__forceinline__ __device__ void load_row_stats(TC const& coords, const BwdParams& p, const BatchMask& bm,
+                                               int64_t stat_off, int64_t m0, float (&lse2)[kRows],
+                                               float (&delta)[kRows]) {
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = m0 + get<0>(coords(r, 0));
+    lse2[r] = lse_log2_of(p.lse + stat_off, row, bm.q_len);
+    delta[r] = row < bm.q_len ? p.delta[stat_off + row] : 0.f;
+  }
+}
+
+// ---- preprocess: before the main kernel -----------------------------------------------------------------
+
+// One warp per row (b, i, h) of dO and O: delta[b, h, i] = Σ_d dO·O − dLSE, in fp32; dq_accum row cleared.
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p,
+                                                                   const bool clear_dq_accum) {
+  constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors of a row, <= 32
+  static_assert(kHeadDim % 8 == 0 && kVecs <= 32);
+  const AttnDims& dims = p.dims;
+  const int64_t rows = dims.batch * dims.seqlen_q * dims.heads_q;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  float sum = 0.f;
+  if (lane < kVecs) {
+    const int64_t off = row * kHeadDim + lane * 8;
+    const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + off);
+    const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
+    const T* ea = reinterpret_cast<const T*>(&a);
+    const T* eb = reinterpret_cast<const T*>(&b);
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) sum = fmaf(float(ea[e]), float(eb[e]), sum);
+    if (clear_dq_accum) {
+      float4* acc = reinterpret_cast<float4*>(p.dq_accum + off);
+      acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  CUTE_UNROLL
+  for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+  if (lane == 0) {
+    const int64_t h = row % dims.heads_q;
+    const int64_t i = (row / dims.heads_q) % dims.seqlen_q;
+    const int64_t b = row / (dims.heads_q * dims.seqlen_q);
+    const int64_t stat = (b * dims.heads_q + h) * dims.seqlen_q + i;
+    p.delta[stat] = sum - p.dlse[stat];
+  }
+}
+
+// ---- dq = scale · dq_accum: after the main kernel, when it accumulated dQ by atomics ---------------------
+
+template <class T>
+__global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,
+                                                                   T* __restrict__ dq, int64_t n4, float scale) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 a = reinterpret_cast<const float4*>(dq_accum)[i];
+    alignas(8) T out[4] = {T(a.x * scale), T(a.y * scale), T(a.z * scale), T(a.w * scale)};
+    reinterpret_cast<uint2*>(dq)[i] = *reinterpret_cast<const uint2*>(out);
+  }
+}
+
+}  // namespace jaxflash

@@ -1,0 +1,356 @@
+// FlashAttention backward for Hopper (sm_90a): TMA loads on an mbarrier pipeline, wgmma, warp specialisation.
+//
+// The math and the contract are the sm80 backward's (bwd_common.cuh: P recomputed from the LSE, dS = P ∘ (dP −
+// delta), softcap's exact gradient, rows that see no key give zero gradients; dK, dV summed over a GQA group).
+// The preprocess and convert kernels are shared; this file holds the main kernel, K/V-stationary:
+//   one block per (K/V block of kBlockN keys, batch, K/V head) keeps K and V in shared memory and dK, dV in
+//   registers, and visits every query block of every head of the group that can see its keys.
+//   producer warp:  TMA of K and V once, then of Q and dO per query block into kStages stages, with the
+//                   rows' LSE and delta beside them; it waits until both consumers released a stage.
+//   2 consumers:    64 keys each. Per query block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, operands in shared
+//                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
+//                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys,
+//                   added to the fp32 dq_accum with vector atomics.
+// Dropout and deterministic mode are not compiled here: the handler runs the sm80 backward for them.
+// Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
+// but 0·NaN is not, so those rows of K, V, Q and dO are zeroed in shared memory once landed.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "bwd_common.cuh"
+#include "fwd_kernel.cuh"
+#include "traits_bwd.cuh"
+
+namespace jaxflash::sm90 {
+
+using namespace cute;
+
+template <class Tr>
+struct BwdKernelParams {
+  BwdParams p;
+  typename Tr::TmaQ tma_q, tma_do;
+  typename Tr::TmaKV tma_k, tma_v;
+};
+
+template <class Tr>
+struct BwdSharedStorage {
+  using T = typename Tr::Element;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> k;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> v;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> dout;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutdS>, 1024> ds;
+  uint64_t kv_full;
+  uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
+  uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
+  // Per stage, the stats of its query rows, written by the producer warp with Q (lse2) and with dO (delta).
+  float lse2[Tr::kStages][Tr::kBlockM];
+  float delta[Tr::kStages][Tr::kBlockM];
+  int scratch[4];  // narrow_by_ids
+};
+
+// A rowcol view with its two modes swapped: (key, query) accumulators seen as (query, key), the orientation
+// of bwd_common.cuh's rules.
+template <class TensorT>
+__forceinline__ __device__ auto transposed(TensorT&& t) {
+  return make_tensor(t.data(), select<1, 0>(t.layout()));
+}
+
+// Zeroes rows [row_begin, row_end) of a (row, d) tile in shared memory, 16-byte chunks (the swizzle keeps each
+// chunk whole), `threads` threads from `tid`; the caller fences and synchronises.
+template <int kD, class T, class TensorS>
+__forceinline__ __device__ void zero_rows(TensorS&& s, int row_begin, int row_end, int tid, int threads) {
+  constexpr int kChunksPerRow = kD * int(sizeof(T)) / 16;
+  for (int c = tid; c < (row_end - row_begin) * kChunksPerRow; c += threads)
+    *reinterpret_cast<uint4*>(&s(row_begin + c / kChunksPerRow, (c % kChunksPerRow) * (16 / int(sizeof(T))))) =
+        make_uint4(0, 0, 0, 0);
+}
+
+template <class Tr, bool kExtras>
+__global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
+  using T = typename Tr::Element;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
+  constexpr int kMmaThreads = Tr::kMmaThreads;
+  // Named barriers of the two consumers (the forward's ids 0 and 1 are not used here).
+  constexpr uint32_t kBarDs = 2, kBarZeroed = 3;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<BwdSharedStorage<Tr>*>(smem_raw);
+  const BwdParams& p = kp.p;
+  const AttnDims& dims = p.dims;
+  const int tid = threadIdx.x;
+  const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
+
+  // K/V blocks of one head are adjacent in launch order: they read the same Q and dO, which stay in L2.
+  const int64_t num_n_blocks = (seqlen_k + kN - 1) / kN;
+  const int64_t n_block = blockIdx.x % num_n_blocks;
+  const int64_t bh = blockIdx.x / num_n_blocks;
+  const int64_t head_k = bh % dims.heads_k, batch = bh / dims.heads_k;
+  const int64_t group = dims.heads_q / dims.heads_k;
+  const int64_t n0 = n_block * kN;
+  const int64_t n_end = cute::min(n0 + int64_t(kN), seqlen_k);
+  const BatchMask bm = batch_mask(p.mask, batch, seqlen_q, seqlen_k);
+  const int64_t n_valid_end = cute::min(n_end, bm.kv_len);  // keys past kv_len are seen by nobody
+  int64_t row_begin, row_end;
+  visible_query_range(bm, n0, n_end, &row_begin, &row_end);
+  const bool segments = kExtras && bm.q_seg != nullptr;
+  if (segments && row_begin < row_end)  // packed documents: only the rows of this block's documents
+    narrow_by_ids<Tr::kNThreads>(bm.kv_seg, n0, n_valid_end, bm.q_seg, &row_begin, &row_end, ss.scratch);
+  const int64_t m_block_min = row_begin / kM;
+  const int64_t m_block_max = row_end > row_begin ? (row_end + kM - 1) / kM : m_block_min;
+  const int64_t n_m = m_block_max - m_block_min;
+  const int64_t n_iters = n_m * group;  // every query block of every head of the group
+  const int64_t head0 = head_k * group;
+  // (head, m block) of iteration `it`: heads outer, query blocks inner, rotated by n_block so that the blocks
+  // running side by side add their dQ into different rows of dq_accum.
+  const int64_t m_shift = n_m > 0 ? n_block % n_m : 0;
+  auto iter_head = [&](int64_t it) { return head0 + it / n_m; };
+  auto iter_m_block = [&](int64_t it) {
+    const int64_t m = it % n_m + m_shift;
+    return m_block_min + (m < n_m ? m : m - n_m);
+  };
+  auto stage_of = [](int64_t it) { return int(it % kStages); };
+  auto parity_of = [](int64_t it) { return uint32_t((it / kStages) & 1); };
+
+  if (tid == 0) {
+    ClusterTransactionBarrier::init(&ss.kv_full, 1);
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      ClusterTransactionBarrier::init(&ss.q_full[s], 1);
+      ClusterTransactionBarrier::init(&ss.do_full[s], 1);
+      ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaWarpGroups);
+      ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaWarpGroups);
+    }
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdSt{});
+
+  if (warp_group == 0) {
+    // ---- producer ----
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (tid >= 32 || n_iters == 0) return;
+    const int lane = tid;
+    auto gmem_shape = [&](int64_t rows, int64_t heads) {
+      return make_shape(int32_t(rows), Int<kD>{}, int32_t(heads), int32_t(dims.batch));
+    };
+    Tensor mQ = kp.tma_q.get_tma_tensor(gmem_shape(seqlen_q, dims.heads_q));
+    Tensor mdO = kp.tma_do.get_tma_tensor(gmem_shape(seqlen_q, dims.heads_q));
+    Tensor mK = kp.tma_k.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
+    Tensor mV = kp.tma_v.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
+    {
+      Tensor gK = local_tile(mK(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{},
+                             make_coord(int32_t(n_block), _0{}));
+      Tensor gV = local_tile(mV(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{},
+                             make_coord(int32_t(n_block), _0{}));
+      auto [tKg, tKs] = tma_partition(kp.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(kp.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      if (lane == 0) {
+        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kKVBytes);
+        copy(kp.tma_k.with(ss.kv_full), tKg, tKs);
+        copy(kp.tma_v.with(ss.kv_full), tVg, tVs);
+      }
+    }
+    for (int64_t it = 0; it < n_iters; ++it) {
+      const int32_t head = int32_t(iter_head(it)), m_block = int32_t(iter_m_block(it));
+      const int stage = stage_of(it);
+      const uint32_t free_parity = parity_of(it) ^ 1;  // a fresh barrier counts as released
+      Tensor gQ = local_tile(mQ(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
+      auto [tQg, tQs] = tma_partition(kp.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tdOg, tdOs] =
+          tma_partition(kp.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      // Stats as lse_log2_of and load_row_stats give them: rows past q_len get P = 0 and delta 0. The
+      // lanes' stores are ordered before lane 0's arrive (release) by __syncwarp.
+      const int64_t m0 = int64_t(m_block) * kM, stat_off = (batch * dims.heads_q + head) * seqlen_q;
+      ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
+      for (int r = lane; r < kM; r += 32) ss.lse2[stage][r] = lse_log2_of(p.lse + stat_off, m0 + r, bm.q_len);
+      __syncwarp();
+      if (lane == 0) {
+        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[stage], Tr::kQBytes);
+        copy(kp.tma_q.with(ss.q_full[stage]), tQg, tQs(_, stage));
+      }
+      ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
+      for (int r = lane; r < kM; r += 32) ss.delta[stage][r] = m0 + r < bm.q_len ? p.delta[stat_off + m0 + r] : 0.f;
+      __syncwarp();
+      if (lane == 0) {
+        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.do_full[stage], Tr::kQBytes);
+        copy(kp.tma_do.with(ss.do_full[stage]), tdOg, tdOs(_, stage));
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  const int mma_tid = tid - 128;
+  const bool releaser = mma_tid % 128 == 0;
+
+  typename Tr::TiledMmaSdP mma_sdp;
+  typename Tr::TiledMmaKV mma_kv;
+  typename Tr::TiledMmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
+  auto thr_kv = mma_kv.get_thread_slice(mma_tid);
+  auto thr_dq = mma_dq.get_thread_slice(mma_tid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // (MMA, MMA_N, MMA_D)
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, MMA_M, MMA_D, stage)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);  // (MMA, MMA_D, MMA_M, stage)
+  Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_N, buffer)
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, MMA_D, MMA_N)
+  Tensor tdSsdS = thr_sdp.partition_C(sdSt);         // this thread's dSᵀ elements in dS's buffers
+
+  Tensor acc_s = partition_fragment_C(mma_sdp, typename Tr::TileSt{});
+  Tensor acc_dp = partition_fragment_C(mma_sdp, typename Tr::TileSt{});
+  Tensor acc_dk = partition_fragment_C(mma_kv, typename Tr::TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, typename Tr::TileKV{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, typename Tr::TileQ{});
+  Tensor rP = make_tensor<T>(acc_s.layout());
+  Tensor rdS = make_tensor<T>(acc_dp.layout());
+  Tensor tKVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+  Tensor tKVrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // (key, query) of every score this thread holds, and the same as (query, key) in the (query, key)
+  // orientation of bwd_common.cuh's rules.
+  Tensor c_kq = rowcol(thr_sdp.partition_C(make_identity_tensor(typename Tr::TileSt{})));
+  const auto swapped = make_layout(typename Tr::TileSt{}, make_stride(E<1>{}, E<0>{}));
+  Tensor c_t = transposed(rowcol(thr_sdp.partition_C(make_tensor(
+      make_identity_tensor(Shape<Int<kM>, Int<kN>>{}).data(), swapped))));
+  Tensor s_kq = rowcol(acc_s);
+  Tensor s_t = transposed(s_kq);
+  Tensor dp_t = transposed(rowcol(acc_dp));
+  constexpr int kQCols = decltype(size<0>(c_t))::value;
+  Tensor dq_rc = rowcol(acc_dq);
+  Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
+
+  const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
+  BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
+  extras.dropout = false;  // never here (the handler's rule); also keeps the mma.sync-layout draw out of the code
+  const int64_t q_row_stride = dims.heads_q * kD;
+  const int64_t q_batch_off = batch * seqlen_q * q_row_stride;
+
+  auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
+  if (n_iters > 0) {
+    ClusterTransactionBarrier::wait(&ss.kv_full, 0);
+    if (n_valid_end < n_end) {  // keys past kv_len inside the tensor
+      zero_rows<kD, T>(sK, int(n_valid_end - n0), int(n_end - n0), mma_tid, kMmaThreads);
+      zero_rows<kD, T>(sV, int(n_valid_end - n0), int(n_end - n0), mma_tid, kMmaThreads);
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by wgmma
+      sync_consumers(kBarZeroed);
+    }
+  }
+
+  for (int64_t it = 0; it < n_iters; ++it) {
+    const int64_t head = iter_head(it), m_block = iter_m_block(it);
+    const int64_t m0 = m_block * kM;
+    const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
+    const int stage = stage_of(it), buf = int(it & 1);
+    const uint32_t parity = parity_of(it);
+
+    ClusterTransactionBarrier::wait(&ss.q_full[stage], parity);
+    ClusterTransactionBarrier::wait(&ss.do_full[stage], parity);
+    const int64_t q_valid_end = cute::min(m_end, bm.q_len);
+    if (q_valid_end < m_end) {  // query rows past q_len inside the tensor
+      zero_rows<kD, T>(sQ(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid, kMmaThreads);
+      zero_rows<kD, T>(sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid, kMmaThreads);
+      cutlass::arch::fence_view_async_shared();
+      sync_consumers(kBarZeroed);
+    }
+    wgmma</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+    wgmma</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
+    // Each stat is read from shared memory where it is used, to keep registers for the accumulators.
+    float lse2[kQCols], delta[kQCols];
+    auto load_stats = [&](const float* from, float (&to)[kQCols]) {
+      CUTE_UNROLL
+      for (int r = 0; r < kQCols; ++r) to[r] = from[get<1>(c_kq(0, r))];
+    };
+    load_stats(ss.lse2[stage], lse2);
+
+    warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
+    if (kExtras && p.softcap > 0.f) softcap_scores(acc_s, p.scale, p.softcap);
+    if (segments || n0 + kN > bm.kv_len || m_end > bm.q_len || !block_fully_visible(bm.m, m0, m_end, n0, n0 + kN))
+      mask_scores_by_key<kM, kExtras>(s_kq, c_kq, bm, n0, m0);
+    scores_to_probs(s_t, lse2, score_log2);
+    load_stats(ss.delta[stage], delta);
+    warpgroup_wait<0>();
+    dprobs_to_dscores<kExtras>(dp_t, s_t, c_t, delta, lse2, extras, uint32_t(head), m0, n0);
+    convert_into<T>(acc_s, rP);
+    convert_into<T>(acc_dp, rdS);
+
+    // dS to shared memory: a thread's two adjacent queries of one key are adjacent there (query-contiguous).
+    Tensor tdS = tdSsdS(_, _, _, buf);
+    CUTE_UNROLL
+    for (int e = 0; e < size(rdS); e += 2)
+      *reinterpret_cast<uint32_t*>(&tdS(e)) = *reinterpret_cast<const uint32_t*>(&rdS(e));
+    cutlass::arch::fence_view_async_shared();
+
+    warpgroup_fence_operand(rP);
+    wgmma</*kZeroInit=*/false>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), acc_dv);
+    sync_consumers(kBarDs);  // both halves of dS written
+    wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
+    warpgroup_fence_operand(rdS);
+    wgmma</*kZeroInit=*/false>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), acc_dk);
+
+    warpgroup_wait<1>();  // dV and dQ landed; dK still running
+    warpgroup_fence_operand(rP);
+    if (releaser) ClusterBarrier::arrive(&ss.do_empty[stage]);
+    float* dq_rows = p.dq_accum + q_batch_off + head * kD + m0 * q_row_stride;
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(dq_rc); ++r) {
+      const int row = get<0>(dq_c_rc(r, 0));
+      if (row < m_end - m0) {
+        float* dq_row = dq_rows + int64_t(row) * q_row_stride;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dq_rc); c += 2)  // (c, c + 1) are adjacent columns
+          atomic_add_pair(dq_row + get<1>(dq_c_rc(r, c)), dq_rc(r, c), dq_rc(r, c + 1));
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(rdS);
+    if (releaser) ClusterBarrier::arrive(&ss.q_empty[stage]);
+  }
+
+  // ---- epilogue: dK = scale · dK; this thread's pairs of columns of dK and dV ----
+  const int64_t k_row_stride = dims.heads_k * kD;
+  const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
+  T* dk = static_cast<T*>(p.dk) + k_off;
+  T* dv = static_cast<T*>(p.dv) + k_off;
+  Tensor kv_c = thr_kv.partition_C(make_identity_tensor(typename Tr::TileKV{}));
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc_dk); e += 2) {
+    const int row = get<0>(kv_c(e)), col = get<1>(kv_c(e));
+    if (row < n_end - n0) {
+      const int64_t off = (n0 + row) * k_row_stride + col;
+      cutlass::Array<T, 2> pair;
+      pair[0] = T(acc_dk(e) * p.scale);
+      pair[1] = T(acc_dk(e + 1) * p.scale);
+      *reinterpret_cast<cutlass::Array<T, 2>*>(dk + off) = pair;
+      pair[0] = T(acc_dv(e));
+      pair[1] = T(acc_dv(e + 1));
+      *reinterpret_cast<cutlass::Array<T, 2>*>(dv + off) = pair;
+    }
+  }
+}
+
+}  // namespace jaxflash::sm90

@@ -1,0 +1,63 @@
+// sm90::run_bwd<dtype, head_dim>: TMA descriptors, grids, shared-memory opt-in and the launches (preprocess,
+// main kernel, dq conversion). Included only by the generated instantiation units.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bwd_kernel.cuh"
+#include "device_info.h"
+#include "launch.h"
+#include "launch_fwd.cuh"
+#include "launch_utils.cuh"
+
+namespace jaxflash::sm90 {
+
+template <class Tr, bool kExtras>
+cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device) {
+  constexpr auto kKernel = &flash_bwd_kernel<Tr, kExtras>;
+  constexpr int kSmemBytes = int(sizeof(BwdSharedStorage<Tr>));
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
+  if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
+  const AttnDims& d = p.dims;
+  const int64_t blocks = (d.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * d.batch * d.heads_k;
+  if (!grid_fits(blocks)) return cudaErrorInvalidConfiguration;
+  const auto q_layout = take<0, 2>(typename Tr::SmemLayoutQ{});
+  const BwdKernelParams<Tr> kp{
+      p,
+      make_tma<Tr>(p.q, d.seqlen_q, d.heads_q, d.batch, q_layout, typename Tr::TileQ{}),
+      make_tma<Tr>(p.dout, d.seqlen_q, d.heads_q, d.batch, q_layout, typename Tr::TileQ{}),
+      make_tma<Tr>(p.k, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
+      make_tma<Tr>(p.v, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
+  };
+  kKernel<<<dim3(unsigned(blocks)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
+  return cudaPeekAtLastError();
+}
+
+template <DType kDType, int kHeadDim>
+cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
+  if (p.deterministic || p.dropout.rate > 0.f) return cudaErrorNotSupported;  // the sm80 family's (handler)
+  using T = ElementOf<kDType>;
+  using Tr = BwdTraits<T, kHeadDim>;
+  const AttnDims& d = p.dims;
+  cudaError_t err;
+  // delta, and dq_accum cleared: one warp per row.
+  const int64_t rows = d.batch * d.seqlen_q * d.heads_q;
+  const int64_t pre_blocks = (rows + 7) / 8;
+  if (!grid_fits(pre_blocks)) return cudaErrorInvalidConfiguration;
+  flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(pre_blocks), 256, 0, stream>>>(p, /*clear_dq_accum=*/true);
+  if ((err = cudaPeekAtLastError()) != cudaSuccess) return err;
+  err = with_extras(p, [&](auto extras) { return launch_bwd_main<Tr, decltype(extras)::value>(p, stream, device); });
+  if (err != cudaSuccess) return err;
+  // dq = scale · dq_accum: a grid-stride loop, 16 blocks of 256 threads per multiprocessor.
+  DeviceInfo info;
+  if ((err = device_info(device, &info)) != cudaSuccess) return err;
+  const int64_t n4 = rows * kHeadDim / 4;
+  const int64_t blocks = std::min<int64_t>((n4 + 255) / 256, int64_t(info.multiprocessors) * 16);
+  flash_bwd_convert_dq_kernel<T><<<unsigned(blocks), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n4, p.scale);
+  return cudaPeekAtLastError();
+}
+
+}  // namespace jaxflash::sm90

@@ -1,0 +1,104 @@
+// Tile shapes, shared-memory layouts, MMAs and TMA types of the sm90 backward kernel (wgmma + TMA, sm_90a):
+// the only home of its tuning numbers. An unlisted head dim has no BwdTileConfig and fails to compile.
+//
+// One thread block = one producer warpgroup (one warp issues every TMA load) and two consumer warpgroups that
+// own 64 keys each of the kBlockN-key block. Scores are computed transposed, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys
+// along wgmma's M), so Pᵀ and dSᵀ come out of the accumulators already in the register layout of the A
+// operand of dV += Pᵀ·dO and dK += dSᵀ·Q: neither goes through shared memory. dQ = dS·K reads dS from shared
+// memory (both warpgroups' keys), the warpgroups splitting dQ's columns (or rows when kBlockM = 128).
+// Registers per consumer thread (fp32): dK + dV = 2·(64·d)/128, Sᵀ + dPᵀ = 2·(64·kBlockM)/128, dQ =
+// kBlockM·d/256, LSE + delta of its kBlockM/4 query columns:
+//   d=64 : 64 x 128: dK+dV 64,  S+dP 64, dQ 16, stats 32
+//   d=128: 64 x 128: dK+dV 128, S+dP 64, dQ 32, stats 32  (240 registers: no spills)
+// Shared memory (16-bit): K, V + kStages of Q and dO + 2 buffers of dS (the next block's dS is written while
+// the other warpgroup may still read this one):
+//   d=64 : 16+16 + 2·(8+8) + 2·16 = 96 KB;  d=128: 32+32 + 2·(16+16) + 2·16 = 160 KB
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include "traits.cuh"
+
+namespace jaxflash::sm90 {
+
+using namespace cute;
+
+template <int kHeadDim>
+struct BwdTileConfig;
+
+template <>
+struct BwdTileConfig<64> {
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+};
+template <>
+struct BwdTileConfig<128> {
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+};
+
+template <class Element_, int kHeadDim_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = BwdTileConfig<kHeadDim_>::kBlockM, kBlockN = BwdTileConfig<kHeadDim_>::kBlockN;
+  static constexpr int kStages = BwdTileConfig<kHeadDim_>::kStages;
+  static constexpr int kMmaWarpGroups = kBlockN / 64;  // wgmma's M is 64: one warpgroup per 64 keys
+  static constexpr int kMmaThreads = kMmaWarpGroups * 128;
+  static constexpr int kNThreads = kMmaThreads + 128;  // + the producer warpgroup
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kMmaWarpGroups == 2 && kProducerRegs + 2 * kConsumerRegs == 3 * 168,
+                "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
+  static_assert(kBlockM == 64 || kBlockM == 128);
+
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim_>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim_>>;
+  using TileSt = Shape<Int<kBlockN>, Int<kBlockM>>;  // (key, query)
+
+  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ: both operands in shared memory, d contiguous.
+  using AtomKeys = Layout<Shape<Int<kMmaWarpGroups>, _1, _1>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim_>>>(),
+      AtomKeys{}));
+  // dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers; B is dO (or Q) read as (d, query), d contiguous.
+  using TiledMmaKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim_>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomKeys{}));
+  // dQ = dS·K: A is dS (query, key) stored query-contiguous, B is K read as (d, key), d contiguous. Two
+  // warpgroups split dQ's kBlockM rows when there are 128, else its d columns.
+  static constexpr bool kDqSplitRows = kBlockM == 128;
+  using DqAtomShape = Shape<Int<64>, Int<kDqSplitRows ? kHeadDim_ : kHeadDim_ / 2>, Int<kBlockN>>;
+  using DqAtomLayout = std::conditional_t<kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using TiledMmaDq = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, DqAtomShape, GMMA::Major::MN, GMMA::Major::MN>(),
+      DqAtomLayout{}));
+
+  using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim_>());
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, TileKV{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim_>, Int<kStages>>{}));
+  // The same bytes seen as (d, row[, stage]): the MN-major B operands.
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // dS (query, key, buffer), query contiguous; seen as (key, query, buffer) it takes the dSᵀ accumulator.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
+
+  // Global tensors as TMA sees them: (row, d, head, batch) with 64-bit strides (the forward's types).
+  using GmemTensor = typename FwdTraits<Element_, kHeadDim_>::GmemTensor;
+  using GmemShape = typename FwdTraits<Element_, kHeadDim_>::GmemShape;
+  using GmemStride = typename FwdTraits<Element_, kHeadDim_>::GmemStride;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{}, _1{}));
+
+  static constexpr int kQBytes = kBlockM * kHeadDim_ * int(sizeof(Element));  // one stage of Q or of dO
+  static constexpr int kKVBytes = kBlockN * kHeadDim_ * int(sizeof(Element));
+};
+
+}  // namespace jaxflash::sm90
