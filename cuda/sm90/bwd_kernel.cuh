@@ -9,8 +9,9 @@
 //                   rows' LSE and delta beside them; it waits until both consumers released a stage.
 //   2 consumers:    64 keys each. Per query block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, operands in shared
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
-//                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys,
-//                   added to the fp32 dq_accum with vector atomics.
+//                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys.
+//                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
+//                   into the fp32 dq_accum with a TMA reduce-add.
 // Dropout and deterministic mode are not compiled here: the handler runs the sm80 backward for them.
 // Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
 // but 0·NaN is not, so those rows of K, V, Q and dO are zeroed in shared memory once landed.
@@ -37,6 +38,7 @@ struct BwdKernelParams {
   BwdParams p;
   typename Tr::TmaQ tma_q, tma_do;
   typename Tr::TmaKV tma_k, tma_v;
+  typename Tr::TmaDq tma_dq;
 };
 
 template <class Tr>
@@ -47,6 +49,7 @@ struct BwdSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> dout;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutdS>, 1024> ds;
+  array_aligned<float, Tr::kMmaWarpGroups * cosize_v<typename Tr::SmemLayoutDq>, 1024> dq;
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
   uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
@@ -79,7 +82,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
   constexpr int kMmaThreads = Tr::kMmaThreads;
   // Named barriers of the two consumers (the forward's ids 0 and 1 are not used here).
-  constexpr uint32_t kBarDs = 2, kBarZeroed = 3;
+  constexpr uint32_t kBarDs = 2, kBarZeroed = 3, kBarDqFree = 4, kBarDqFull = 6;  // the last two + wg
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& ss = *reinterpret_cast<BwdSharedStorage<Tr>*>(smem_raw);
@@ -201,6 +204,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   // ---- consumers ----
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
   const int mma_tid = tid - 128;
+  const int wg = mma_tid / 128;
   const bool releaser = mma_tid % 128 == 0;
 
   typename Tr::TiledMmaSdP mma_sdp;
@@ -217,7 +221,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
   Tensor tQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_N, buffer)
   Tensor tQrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, MMA_D, MMA_N)
-  Tensor tdSsdS = thr_sdp.partition_C(sdSt);         // this thread's dSᵀ elements in dS's buffers
 
   Tensor acc_s = partition_fragment_C(mma_sdp, typename Tr::TileSt{});
   Tensor acc_dp = partition_fragment_C(mma_sdp, typename Tr::TileSt{});
@@ -243,12 +246,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   constexpr int kQCols = decltype(size<0>(c_t))::value;
   Tensor dq_rc = rowcol(acc_dq);
   Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
+  // This warpgroup's dQ staging tile and where it lies in the (kBlockM, d) tile.
+  Tensor sDq = make_tensor(make_smem_ptr(ss.dq.data() + wg * cosize_v<typename Tr::SmemLayoutDq>),
+                           typename Tr::SmemLayoutDq{});
+  const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
+  Tensor mDq = kp.tma_dq.get_tma_tensor(
+      make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
 
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
   BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
   extras.dropout = false;  // never here (the handler's rule); also keeps the mma.sync-layout draw out of the code
-  const int64_t q_row_stride = dims.heads_q * kD;
-  const int64_t q_batch_off = batch * seqlen_q * q_row_stride;
 
   auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
   if (n_iters > 0) {
@@ -299,10 +306,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     convert_into<T>(acc_dp, rdS);
 
     // dS to shared memory: a thread's two adjacent queries of one key are adjacent there (query-contiguous).
-    Tensor tdS = tdSsdS(_, _, _, buf);
+    Tensor rdS_rc = rowcol(rdS);
     CUTE_UNROLL
-    for (int e = 0; e < size(rdS); e += 2)
-      *reinterpret_cast<uint32_t*>(&tdS(e)) = *reinterpret_cast<const uint32_t*>(&rdS(e));
+    for (int r = 0; r < size<0>(rdS_rc); ++r) {
+      int key = get<0>(c_kq(r, 0));
+      asm volatile("" : "+r"(key));  // addresses recomputed here, not hoisted into registers
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(rdS_rc); c += 2) {
+        const uint32_t addr = cast_smem_ptr_to_uint(&sdSt(key, get<1>(c_kq(r, c)), buf));
+        const uint32_t pair = *reinterpret_cast<const uint32_t*>(&rdS_rc(r, c));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pair));
+      }
+    }
     cutlass::arch::fence_view_async_shared();
 
     warpgroup_fence_operand(rP);
@@ -315,21 +330,38 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_wait<1>();  // dV and dQ landed; dK still running
     warpgroup_fence_operand(rP);
     if (releaser) ClusterBarrier::arrive(&ss.do_empty[stage]);
-    float* dq_rows = p.dq_accum + q_batch_off + head * kD + m0 * q_row_stride;
+    // dQ: once this warpgroup's previous reduce-add has read the staging tile, write it and add it into
+    // dq_accum (rows past the tensor are dropped by TMA; rows past q_len hold zeros).
+    if (releaser) tma_store_wait<0>();
+    NamedBarrier::sync(128, kBarDqFree + wg);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(dq_rc); ++r) {
-      const int row = get<0>(dq_c_rc(r, 0));
-      if (row < m_end - m0) {
-        float* dq_row = dq_rows + int64_t(row) * q_row_stride;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(dq_rc); c += 2)  // (c, c + 1) are adjacent columns
-          atomic_add_pair(dq_row + get<1>(dq_c_rc(r, c)), dq_rc(r, c), dq_rc(r, c + 1));
+      int row = get<0>(dq_c_rc(r, 0)) - dq_row0;
+      // Opaque to the compiler: the swizzled addresses are recomputed here rather than hoisted out of the
+      // loop into registers that would be spilled.
+      asm volatile("" : "+r"(row));
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dq_rc); c += 2) {  // (c, c + 1) are adjacent columns, adjacent in sDq
+        const uint32_t addr = cast_smem_ptr_to_uint(&sDq(row, get<1>(dq_c_rc(r, c)) - dq_col0));
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(float(dq_rc(r, c))), "f"(float(dq_rc(r, c + 1))));
       }
+    }
+    cutlass::arch::fence_view_async_shared();
+    NamedBarrier::sync(128, kBarDqFull + wg);
+    if (releaser) {
+      Tensor gDq = local_tile(mDq(_, _, int32_t(head), int32_t(batch)), typename Tr::TileDq{},
+                              make_coord(int32_t((m0 + dq_row0) / Tr::kDqRows), dq_col0 / Tr::kDqCols));
+      auto [tDqg, tDqs] =
+          tma_partition(kp.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sDq), group_modes<0, 2>(gDq));
+      copy(kp.tma_dq, tDqs, tDqg);
+      tma_store_arrive();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(rdS);
     if (releaser) ClusterBarrier::arrive(&ss.q_empty[stage]);
   }
+
+  if (releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
 
   // ---- epilogue: dK = scale · dK; this thread's pairs of columns of dK and dV ----
   const int64_t k_row_stride = dims.heads_k * kD;

@@ -12,7 +12,8 @@
 //   d=128: 64 x 128: dK+dV 128, S+dP 64, dQ 32, stats 32  (240 registers: no spills)
 // Shared memory (16-bit): K, V + kStages of Q and dO + 2 buffers of dS (the next block's dS is written while
 // the other warpgroup may still read this one):
-//   d=64 : 16+16 + 2·(8+8) + 2·16 = 96 KB;  d=128: 32+32 + 2·(16+16) + 2·16 = 160 KB
+// + dQ staging (fp32, kBlockM x d):
+//   d=64 : 16+16 + 2·(8+8) + 2·16 + 16 = 112 KB;  d=128: 32+32 + 2·(16+16) + 2·16 + 32 = 192 KB
 #pragma once
 
 #include <cstdint>
@@ -75,6 +76,11 @@ struct BwdTraits {
   using TiledMmaDq = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, DqAtomShape, GMMA::Major::MN, GMMA::Major::MN>(),
       DqAtomLayout{}));
+  // One warpgroup's part of dQ (fp32), staged in shared memory for a TMA reduce-add into dq_accum; 128-byte
+  // swizzled rows, so the accumulator's pairs land without bank conflicts.
+  static constexpr int kDqRows = kDqSplitRows ? 64 : kBlockM, kDqCols = kDqSplitRows ? kHeadDim_ : kHeadDim_ / 2;
+  using TileDq = Shape<Int<kDqRows>, Int<kDqCols>>;
+  using SmemLayoutDq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, TileDq{}));
 
   using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim_>());
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, TileKV{}));
@@ -96,6 +102,8 @@ struct BwdTraits {
   using GmemStride = typename FwdTraits<Element_, kHeadDim_>::GmemStride;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{}, _1{}));
+  using GmemTensorF32 = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaDq = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorF32{}, SmemLayoutDq{}, TileDq{}, _1{}));
 
   static constexpr int kQBytes = kBlockM * kHeadDim_ * int(sizeof(Element));  // one stage of Q or of dO
   static constexpr int kKVBytes = kBlockN * kHeadDim_ * int(sizeof(Element));
