@@ -49,7 +49,7 @@ struct BwdSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> dout;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutdS>, 1024> ds;
-  array_aligned<float, Tr::kMmaWarpGroups * cosize_v<typename Tr::SmemLayoutDq>, 1024> dq;
+  array_aligned<float, 2 * Tr::kMmaWarpGroups * cosize_v<typename Tr::SmemLayoutDq>, 1024> dq;  // 2 buffers
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
   uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
   constexpr int kMmaThreads = Tr::kMmaThreads;
   // Named barriers of the two consumers (the forward's ids 0 and 1 are not used here).
-  constexpr uint32_t kBarDs = 2, kBarZeroed = 3, kBarDqFree = 4, kBarDqFull = 6;  // the last two + wg
+  constexpr uint32_t kBarDs = 2, kBarZeroed = 3, kBarDqFull = 4;  // the last one + wg
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& ss = *reinterpret_cast<BwdSharedStorage<Tr>*>(smem_raw);
@@ -246,9 +246,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   constexpr int kQCols = decltype(size<0>(c_t))::value;
   Tensor dq_rc = rowcol(acc_dq);
   Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
-  // This warpgroup's dQ staging tile and where it lies in the (kBlockM, d) tile.
-  Tensor sDq = make_tensor(make_smem_ptr(ss.dq.data() + wg * cosize_v<typename Tr::SmemLayoutDq>),
-                           typename Tr::SmemLayoutDq{});
+  // This warpgroup's two dQ staging tiles and where they lie in the (kBlockM, d) tile.
+  auto dq_staging = [&](int b) {
+    return make_tensor(make_smem_ptr(ss.dq.data() + (2 * wg + b) * cosize_v<typename Tr::SmemLayoutDq>),
+                       typename Tr::SmemLayoutDq{});
+  };
   const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
   Tensor mDq = kp.tma_dq.get_tma_tensor(
       make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
@@ -322,6 +324,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
     warpgroup_fence_operand(rP);
     wgmma</*kZeroInit=*/false>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), acc_dv);
+    // The reduce-add that read this block's dQ staging tile two blocks ago is done before anyone passes.
+    if (releaser) tma_store_wait<1>();
     sync_consumers(kBarDs);  // both halves of dS written
     wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
     warpgroup_fence_operand(rdS);
@@ -330,10 +334,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_wait<1>();  // dV and dQ landed; dK still running
     warpgroup_fence_operand(rP);
     if (releaser) ClusterBarrier::arrive(&ss.do_empty[stage]);
-    // dQ: once this warpgroup's previous reduce-add has read the staging tile, write it and add it into
-    // dq_accum (rows past the tensor are dropped by TMA; rows past q_len hold zeros).
-    if (releaser) tma_store_wait<0>();
-    NamedBarrier::sync(128, kBarDqFree + wg);
+    // dQ into this block's staging tile, then added into dq_accum (rows past the tensor are dropped by TMA;
+    // rows past q_len hold zeros).
+    Tensor sDq = dq_staging(buf);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(dq_rc); ++r) {
       int row = get<0>(dq_c_rc(r, 0)) - dq_row0;
