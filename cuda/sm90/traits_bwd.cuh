@@ -7,13 +7,14 @@
 // operand of dV += Pᵀ·dO and dK += dSᵀ·Q: neither goes through shared memory. dQ = dS·K reads dS from shared
 // memory (both warpgroups' keys), the warpgroups splitting dQ's columns (or rows when kBlockM = 128).
 // Registers per consumer thread (fp32): dK + dV = 2·(64·d)/128, Sᵀ + dPᵀ = 2·(64·kBlockM)/128, dQ =
-// kBlockM·d/256, LSE + delta of its kBlockM/4 query columns:
-//   d=64 : 64 x 128: dK+dV 64,  S+dP 64, dQ 16, stats 32
-//   d=128: 64 x 128: dK+dV 128, S+dP 64, dQ 32, stats 32  (240 registers: no spills)
-// Shared memory (16-bit): K, V + kStages of Q and dO + 2 buffers of dS (the next block's dS is written while
-// the other warpgroup may still read this one):
-// + dQ staging (fp32, kBlockM x d):
-//   d=64 : 16+16 + 2·(8+8) + 2·16 + 16 = 112 KB;  d=128: 32+32 + 2·(16+16) + 2·16 + 32 = 192 KB
+// kBlockM·d/256 (its rows' LSE and delta are read from shared memory where they are used):
+//   d=64 : 64 x 128: dK+dV 64,  S+dP 64, dQ 16
+//   d=128: 64 x 128: dK+dV 128, S+dP 64, dQ 32  (of 240; ptxas spills ~70 bytes. 128 x 128 for d=64, the
+//          FlashAttention-3 tile, spilled 572 bytes)
+// Shared memory: K, V + kStages of Q and dO + 2 buffers of dS (the next block's dS is written while the other
+// warpgroup may still read this one) + 2 fp32 dQ staging tiles per consumer (one may still be read by the
+// previous reduce-add):
+//   d=64 : 16+16 + 2·(8+8) + 2·16 + 2·16 = 128 KB;  d=128: 32+32 + 2·(16+16) + 2·16 + 2·32 = 224 KB
 #pragma once
 
 #include <cstdint>
