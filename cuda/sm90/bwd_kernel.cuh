@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
   BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
-  extras.dropout = false;  // never here (the handler's rule); also keeps the mma.sync-layout draw out of the code
+  extras.dropout = false;  // never here (the handler's rule): the keep-bit draw assumes the mma.sync row layout
 
   auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
   if (n_iters > 0) {
@@ -346,7 +346,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       CUTE_UNROLL
       for (int c = 0; c < size<1>(dq_rc); c += 2) {  // (c, c + 1) are adjacent columns, adjacent in sDq
         const uint32_t addr = cast_smem_ptr_to_uint(&sDq(row, get<1>(dq_c_rc(r, c)) - dq_col0));
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(float(dq_rc(r, c))), "f"(float(dq_rc(r, c + 1))));
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(float(dq_rc(r, c))),
+                     "f"(float(dq_rc(r, c + 1))));
       }
     }
     cutlass::arch::fence_view_async_shared();
