@@ -4,10 +4,13 @@
 // (query row, key column), whatever the accumulator's orientation.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cute/tensor.hpp>
 
+#include "device_info.h"
+#include "launch_utils.cuh"
 #include "mask.h"
 #include "mask_tile.cuh"
 #include "params.h"
@@ -180,6 +183,30 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const float* 
     alignas(8) T out[4] = {T(a.x * scale), T(a.y * scale), T(a.z * scale), T(a.w * scale)};
     reinterpret_cast<uint2*>(dq)[i] = *reinterpret_cast<const uint2*>(out);
   }
+}
+
+// ---- their launches, as every family's run_bwd makes them -------------------------------------------------
+
+// delta (and dq_accum cleared when the main kernel adds dQ into it): one warp per row.
+template <class T, int kHeadDim>
+cudaError_t launch_bwd_preprocess(const BwdParams& p, bool clear_dq_accum, cudaStream_t stream) {
+  const int64_t rows = p.dims.batch * p.dims.seqlen_q * p.dims.heads_q;
+  const int64_t blocks = (rows + 7) / 8;
+  if (!grid_fits(blocks)) return cudaErrorInvalidConfiguration;
+  flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(blocks), 256, 0, stream>>>(p, clear_dq_accum);
+  return cudaPeekAtLastError();
+}
+
+// dq = scale · dq_accum: a grid-stride loop, 16 blocks of 256 threads per multiprocessor keep every SM busy.
+template <class T, int kHeadDim>
+cudaError_t launch_convert_dq(const BwdParams& p, cudaStream_t stream, int device) {
+  DeviceInfo info;
+  if (cudaError_t err = device_info(device, &info); err != cudaSuccess) return err;
+  const int64_t n4 = p.dims.batch * p.dims.seqlen_q * p.dims.heads_q * kHeadDim / 4;
+  const int64_t blocks = std::min<int64_t>((n4 + 255) / 256, int64_t(info.multiprocessors) * 16);
+  flash_bwd_convert_dq_kernel<T><<<unsigned(blocks), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n4,
+                                                                         p.scale);
+  return cudaPeekAtLastError();
 }
 
 }  // namespace jaxflash

@@ -43,15 +43,10 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   using T = ElementOf<kDType>;
   using Tr = BwdTraits<T, kHeadDim>;
   using TrQ = BwdDqTraits<T, kHeadDim>;
-  const AttnDims& d = p.dims;
   cudaError_t err;
 
-  // 1. delta (and dq_accum cleared when dQ is accumulated by atomics): one warp per row.
-  const int64_t rows = d.batch * d.seqlen_q * d.heads_q;
-  const int64_t pre_blocks = (rows + 7) / 8;
-  if (!grid_fits(pre_blocks)) return cudaErrorInvalidConfiguration;
-  flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(pre_blocks), 256, 0, stream>>>(p, !deterministic);
-  if ((err = cudaPeekAtLastError()) != cudaSuccess) return err;
+  // 1. delta (and dq_accum cleared when dQ is accumulated by atomics).
+  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, !deterministic, stream)) != cudaSuccess) return err;
 
   // 2. dK, dV (+ dQ atomics), 3b. dQ without atomics.
   err = with_extras(p, [&](auto extras) {
@@ -60,16 +55,7 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   if (err != cudaSuccess) return err;
 
   // 3a. dq = scale · dq_accum.
-  if (!deterministic) {
-    // A grid-stride loop: 16 blocks of 256 threads per multiprocessor keep every SM busy.
-    DeviceInfo info;
-    if ((err = device_info(device, &info)) != cudaSuccess) return err;
-    const int64_t n4 = rows * kHeadDim / 4;
-    const int64_t blocks = std::min<int64_t>((n4 + 255) / 256, int64_t(info.multiprocessors) * 16);
-    flash_bwd_convert_dq_kernel<T><<<unsigned(blocks), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n4,
-                                                                           p.scale);
-  }
-  return cudaPeekAtLastError();
+  return deterministic ? cudaSuccess : launch_convert_dq<T, kHeadDim>(p, stream, device);
 }
 
 }  // namespace jaxflash::sm80

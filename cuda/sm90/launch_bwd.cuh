@@ -48,23 +48,11 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   if (p.deterministic || p.dropout.rate > 0.f) return cudaErrorNotSupported;  // the sm80 family's (handler)
   using T = ElementOf<kDType>;
   using Tr = BwdTraits<T, kHeadDim>;
-  const AttnDims& d = p.dims;
   cudaError_t err;
-  // delta, and dq_accum cleared: one warp per row.
-  const int64_t rows = d.batch * d.seqlen_q * d.heads_q;
-  const int64_t pre_blocks = (rows + 7) / 8;
-  if (!grid_fits(pre_blocks)) return cudaErrorInvalidConfiguration;
-  flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(pre_blocks), 256, 0, stream>>>(p, /*clear_dq_accum=*/true);
-  if ((err = cudaPeekAtLastError()) != cudaSuccess) return err;
+  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, /*clear_dq_accum=*/true, stream)) != cudaSuccess) return err;
   err = with_extras(p, [&](auto extras) { return launch_bwd_main<Tr, decltype(extras)::value>(p, stream, device); });
   if (err != cudaSuccess) return err;
-  // dq = scale · dq_accum: a grid-stride loop, 16 blocks of 256 threads per multiprocessor.
-  DeviceInfo info;
-  if ((err = device_info(device, &info)) != cudaSuccess) return err;
-  const int64_t n4 = rows * kHeadDim / 4;
-  const int64_t blocks = std::min<int64_t>((n4 + 255) / 256, int64_t(info.multiprocessors) * 16);
-  flash_bwd_convert_dq_kernel<T><<<unsigned(blocks), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n4, p.scale);
-  return cudaPeekAtLastError();
+  return launch_convert_dq<T, kHeadDim>(p, stream, device);
 }
 
 }  // namespace jaxflash::sm90
