@@ -185,6 +185,57 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const float* 
   }
 }
 
+// ---- the work of one block of a K/V-stationary main kernel -------------------------------------------------
+
+// kN keys of one (batch, K/V head), and the query blocks the block visits: every query block of every head of
+// the GQA group that can see those keys (with segment ids, only the rows of the block's documents), heads
+// outer, query blocks inner. K/V blocks of one head are adjacent in launch order (they read the same Q and
+// dO, which stay in L2), and each starts at a different query block (rotation by n_block), so the blocks
+// running side by side add their dQ into different rows of dq_accum instead of contending for them.
+struct KvBlockWork {
+  int64_t n_block, batch, head_k, group;
+  int64_t n0, n_end, n_valid_end;  // keys [n0, n_end); those at or past n_valid_end (kv_len) are seen by nobody
+  BatchMask bm;
+  bool segments;  // segment ids given (and compiled in)
+  int64_t m_block_min, n_m, n_iters, head0, m_shift;
+
+  __device__ int64_t head(int64_t it) const { return head0 + it / n_m; }
+  __device__ int64_t m_block(int64_t it) const {
+    const int64_t m = it % n_m + m_shift;
+    return m_block_min + (m < n_m ? m : m - n_m);
+  }
+};
+
+// Every thread of the block calls it (segment ids narrow the rows with the whole block's help); `scratch` is
+// 4 ints of shared memory, free again on return.
+template <int kM, int kN, int kThreads, bool kExtras>
+__device__ KvBlockWork kv_block_work(const BwdParams& p, int* scratch) {
+  const AttnDims& dims = p.dims;
+  KvBlockWork w;
+  const int64_t num_n_blocks = (dims.seqlen_k + kN - 1) / kN;
+  w.n_block = blockIdx.x % num_n_blocks;
+  const int64_t bh = blockIdx.x / num_n_blocks;
+  w.head_k = bh % dims.heads_k;
+  w.batch = bh / dims.heads_k;
+  w.group = dims.heads_q / dims.heads_k;
+  w.n0 = w.n_block * kN;
+  w.n_end = cute::min(w.n0 + int64_t(kN), dims.seqlen_k);
+  w.bm = batch_mask(p.mask, w.batch, dims.seqlen_q, dims.seqlen_k);
+  w.n_valid_end = cute::min(w.n_end, w.bm.kv_len);
+  int64_t row_begin, row_end;
+  visible_query_range(w.bm, w.n0, w.n_end, &row_begin, &row_end);
+  w.segments = kExtras && w.bm.q_seg != nullptr;
+  if (w.segments && row_begin < row_end)
+    narrow_by_ids<kThreads>(w.bm.kv_seg, w.n0, w.n_valid_end, w.bm.q_seg, &row_begin, &row_end, scratch);
+  w.m_block_min = row_begin / kM;
+  const int64_t m_block_max = row_end > row_begin ? (row_end + kM - 1) / kM : w.m_block_min;
+  w.n_m = m_block_max - w.m_block_min;
+  w.n_iters = w.n_m * w.group;
+  w.head0 = w.head_k * w.group;
+  w.m_shift = w.n_m > 0 ? w.n_block % w.n_m : 0;
+  return w;
+}
+
 // ---- their launches, as every family's run_bwd makes them -------------------------------------------------
 
 // delta (and dq_accum cleared when the main kernel adds dQ into it): one warp per row.

@@ -92,34 +92,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
 
-  // K/V blocks of one head are adjacent in launch order: they read the same Q and dO, which stay in L2.
-  const int64_t num_n_blocks = (seqlen_k + kN - 1) / kN;
-  const int64_t n_block = blockIdx.x % num_n_blocks;
-  const int64_t bh = blockIdx.x / num_n_blocks;
-  const int64_t head_k = bh % dims.heads_k, batch = bh / dims.heads_k;
-  const int64_t group = dims.heads_q / dims.heads_k;
-  const int64_t n0 = n_block * kN;
-  const int64_t n_end = cute::min(n0 + int64_t(kN), seqlen_k);
-  const BatchMask bm = batch_mask(p.mask, batch, seqlen_q, seqlen_k);
-  const int64_t n_valid_end = cute::min(n_end, bm.kv_len);  // keys past kv_len are seen by nobody
-  int64_t row_begin, row_end;
-  visible_query_range(bm, n0, n_end, &row_begin, &row_end);
-  const bool segments = kExtras && bm.q_seg != nullptr;
-  if (segments && row_begin < row_end)  // packed documents: only the rows of this block's documents
-    narrow_by_ids<Tr::kNThreads>(bm.kv_seg, n0, n_valid_end, bm.q_seg, &row_begin, &row_end, ss.scratch);
-  const int64_t m_block_min = row_begin / kM;
-  const int64_t m_block_max = row_end > row_begin ? (row_end + kM - 1) / kM : m_block_min;
-  const int64_t n_m = m_block_max - m_block_min;
-  const int64_t n_iters = n_m * group;  // every query block of every head of the group
-  const int64_t head0 = head_k * group;
-  // (head, m block) of iteration `it`: heads outer, query blocks inner, rotated by n_block so that the blocks
-  // running side by side add their dQ into different rows of dq_accum.
-  const int64_t m_shift = n_m > 0 ? n_block % n_m : 0;
-  auto iter_head = [&](int64_t it) { return head0 + it / n_m; };
-  auto iter_m_block = [&](int64_t it) {
-    const int64_t m = it % n_m + m_shift;
-    return m_block_min + (m < n_m ? m : m - n_m);
-  };
+  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kExtras>(p, ss.scratch);
+  const int64_t n_block = w.n_block, batch = w.batch, head_k = w.head_k;
+  const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
+  const BatchMask& bm = w.bm;
+  const bool segments = w.segments;
+  auto iter_head = [&](int64_t it) { return w.head(it); };
+  auto iter_m_block = [&](int64_t it) { return w.m_block(it); };
   auto stage_of = [](int64_t it) { return int(it % kStages); };
   auto parity_of = [](int64_t it) { return uint32_t((it / kStages) & 1); };
 
