@@ -36,26 +36,32 @@ def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
 
 
 # --- the rules ------------------------------------------------------------------------------------------------
-# Factors: s, t query and key sequence; h = (k g) query heads as (kv head, group member); d head_dim; w the three
-# words of the dropout state; `...` every leading (batch) dim.
+# Factors: s, t query and key sequence; h = (k g) query heads as (kv head, group member); d head_dim; w the words
+# of the dropout state; z the empty last dim of an unused mask operand; `...` every leading (batch) dim.
 
-_MASK_OPERANDS = "... s, ... t, ..., ..., ... w"  # q/kv segment ids, q/kv lengths, dropout state
-_REPLICATED = ("s", "d", "t", "w")  # Shardy wants them in the order the factors first appear
+def _mask_operands(cfg):
+    """The rule's text for q/kv segment ids, q/kv lengths and the dropout state; unused ones are empty arrays
+    (attention.plan) with a last dim of size 0."""
+    seg = "... s, ... t" if cfg.segment_ids else "... z, ... z"
+    lengths = "..., ..." if cfg.lengths else "... z, ... z"
+    return f"{seg}, {lengths}, {'... w' if cfg.dropout_rate > 0 else '... z'}"
 
 
-def _rule(kind, group, split_heads):
+def _rule(kind, cfg, group, split_heads):
     h = "(k g)" if group > 1 else "k"
-    q, kv, stat = f"... s {h} d", "... t k d", f"... {h} s"
+    q, kv, stat, masks = f"... s {h} d", "... t k d", f"... {h} s", _mask_operands(cfg)
     if kind == "fwd":
-        rule = f"{q}, {kv}, {kv}, {_MASK_OPERANDS} -> {q}, {stat}"
+        rule = f"{q}, {kv}, {kv}, {masks} -> {q}, {stat}"
     else:  # do, q, k, v, o, lse, dlse, masks -> dq, dk, dv, and two fp32 workspaces shaped like q and lse
-        rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {stat}, {_MASK_OPERANDS} -> {q}, {kv}, {kv}, {q}, {stat}"
+        rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {stat}, {masks} -> {q}, {kv}, {kv}, {q}, {stat}"
     sizes = {"g": group} if group > 1 else {}
-    replicated = _REPLICATED if split_heads else ("s", "k", *sizes, "d", "t", "w")
-    return rule, dict(need_replication_factors=replicated, **sizes)
+    replicated = {"s", "d", "t", "w", "z"} | (set() if split_heads else {"k", *sizes})
+    # Shardy wants them in the order the factors first appear in the rule.
+    order = dict.fromkeys(c for c in rule if c.isalpha())
+    return rule, dict(need_replication_factors=tuple(f for f in order if f in replicated), **sizes)
 
 
-def _shardings(kind, mesh, q_info, hk, split_heads):
+def _shardings(kind, mesh, cfg, q_info, hk, split_heads):
     """(operand shardings, result shardings) of one call from q's sharding: q's leading-dim axes for every batch
     dim, q's head axes for the heads when allowed and they split the key/value heads evenly, everything else
     replicated."""
@@ -66,7 +72,8 @@ def _shardings(kind, mesh, q_info, hk, split_heads):
         heads = None  # dropout, or a shard would hold part of a kv head's group: heads whole
     named = lambda *s: NamedSharding(mesh, P(*lead, *s))
     q, kv, stat = named(None, heads, None), named(None, heads, None), named(heads, None)
-    masks = (named(None), named(None), named(), named(), named(None))
+    lengths = named() if cfg.lengths else named(None)
+    masks = (named(None), named(None), lengths, lengths, named(None))
     if kind == "fwd":
         return (q, kv, kv, *masks), (q, stat)
     return (q, q, kv, kv, q, stat, stat, *masks), (q, kv, kv, q, stat)
@@ -101,13 +108,13 @@ def _partitioned(kind, cfg, group):
         del result_infos
         q_info = arg_infos[0] if kind == "fwd" else arg_infos[1]
         hk = arg_infos[1].shape[-2] if kind == "fwd" else arg_infos[2].shape[-2]
-        in_shardings, out_shardings = _shardings(kind, mesh, q_info, hk, split_heads)
+        in_shardings, out_shardings = _shardings(kind, mesh, cfg, q_info, hk, split_heads)
         return mesh, functools.partial(_call, kind, cfg), out_shardings, in_shardings
 
     def infer_sharding_from_operands(mesh, arg_infos, result_infos):  # the partitioner without Shardy (GSPMD)
         return partition(mesh, arg_infos, result_infos)[2]
 
-    rule, factors = _rule(kind, group, split_heads)
+    rule, factors = _rule(kind, cfg, group, split_heads)
     cp = custom_partitioning(f)
     cp.def_partition(partition=partition, infer_sharding_from_operands=infer_sharding_from_operands,
                      sharding_rule=rule, **factors)

@@ -142,19 +142,19 @@ def test_errors_raise_at_trace_time_under_jit():
 
 # The handlers re-check what the Python layer already checked: a direct FFI call with bad shapes or
 # attributes must come back as an error, never a crash.
-def raw_fwd(q, k, v, *, seg=None, lengths=None, state=None, **attrs):
+def raw_fwd(q, k, v, *, seg=None, lens=None, state=None, **attrs):
     lead = q.shape[:-3] if q.ndim >= 3 else ()
     sq = q.shape[-3] if q.ndim >= 3 else 1
     sk = k.shape[-3] if k.ndim >= 3 else 1
     seg = seg or (jnp.zeros(lead + (sq,), jnp.int32), jnp.zeros(lead + (sk,), jnp.int32))
-    lengths = lengths or (jnp.zeros(lead, jnp.int32), jnp.zeros(lead, jnp.int32))
+    lens = lens or (jnp.zeros(lead, jnp.int32), jnp.zeros(lead, jnp.int32))
     state = jnp.zeros(lead + (5,), jnp.uint32) if state is None else state
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(lead + (q.shape[-2], sq) if q.ndim >= 3 else (1,), jnp.float32))
     kw = dict(scale=np.float32(1.0), softcap=np.float32(0.0), window_left=-1, window_right=-1, bottom_right=True,
               diagonal_shift=0, segment_ids=False, lengths=False, dropout_rate=np.float32(0), deterministic=False)
     kw.update(attrs)
-    return jax.block_until_ready(jax.ffi.ffi_call("jaxflash_fwd", out_types)(q, k, v, *seg, *lengths, state, **kw))
+    return jax.block_until_ready(jax.ffi.ffi_call("jaxflash_fwd", out_types)(q, k, v, *seg, *lens, state, **kw))
 
 
 @pytest.mark.parametrize("q,k,v,kwargs,match", [
@@ -165,12 +165,13 @@ def raw_fwd(q, k, v, *, seg=None, lengths=None, state=None, **attrs):
     (arr(2, 8, 4, 16, dtype=jnp.int32),) * 3 + ({}, "dtype must be float32, bfloat16 or float16"),
     (Q, K, K, {"window_left": -2}, r"window sides must be >= -1; got \(-2, -1\)"),
     (Q, K, K, {"softcap": np.float32(-1)}, "softcap must be finite and >= 0"),
-    (Q, K, K, {"seg": (jnp.zeros((2, 7), jnp.int32), jnp.zeros((2, 8), jnp.int32))},
+    (Q, K, K, {"seg": (jnp.zeros((2, 7), jnp.int32), jnp.zeros((2, 8), jnp.int32)), "segment_ids": True},
      r"q_segment_ids must have shape \[2, 8\]; got \[2, 7\]"),
-    (Q, K, K, {"lengths": (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32))},
+    (Q, K, K, {"lens": (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32)), "lengths": True},
      r"q_lengths must have shape \[2\]; got \[3\]"),
     (Q, K, K, {"dropout_rate": np.float32(1.5)}, r"dropout_rate must be in \[0, 1\); got 1.5"),
-    (Q, K, K, {"state": jnp.zeros((2, 2), jnp.uint32)}, r"dropout_state must have shape \[2, 5\]; got \[2, 2\]"),
+    (Q, K, K, {"state": jnp.zeros((2, 2), jnp.uint32), "dropout_rate": np.float32(0.1)},
+     r"dropout_state must have shape \[2, 5\]; got \[2, 2\]"),
 ])
 def test_handler_rejects_bad_input(q, k, v, kwargs, match):
     with pytest.raises(Exception, match="jaxflash_fwd: .*" + match):

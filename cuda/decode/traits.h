@@ -40,15 +40,29 @@ inline bool takes_call(long long seqlen_q, long long group, bool dropout) {
   return !dropout && seqlen_q * group <= kMaxPackedRows;
 }
 
-// Splits of each tile's keys: the fewest whose waves of thread blocks (`slots` resident at once) are at least
-// 95 % as full as the best count's (after FlashAttention-2's rule: a last wave that is mostly empty costs as
-// much as a full one; 85 % left a tenth of the H200 idle at B = 1), each split at least kMinBlocksPerSplit key
-// blocks. Tiles that already fill several waves evenly stay whole.
-inline int choose_num_splits(long long tiles, long long seqlen_k, long long slots) {
-  const long long blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+// Splits of each tile's keys, each split at least kMinBlocksPerSplit key blocks. Below a full wave of thread
+// blocks the time follows the busiest SM: it holds c = ceil(tiles * n / SMs) blocks of ceil(key blocks / n)
+// key blocks each, plus about two key blocks' worth of fixed cost per block (Q, the first stage, the epilogue),
+// and a block alone on its SM streams at about half speed (its chain of copies, MMAs and softmax leaves the
+// memory idle). The cheapest count wins, the fewest splits on a tie. Measured on the H200 (B=1, 8 tiles, Sk=128k,
+// 3 blocks per SM): 16 splits (one block per SM) 220 us, 24 173, 32 138, 47 (20 SMs one block short) 139.5, 49
+// 136. From a full wave up: the fewest splits whose waves are at least 95 % as full as the best count's (after
+// FlashAttention-2's rule: a last wave that is mostly empty costs as much as a full one).
+inline int choose_num_splits(long long tiles, long long seqlen_k, long long sms, long long per_sm) {
+  const long long blocks = (seqlen_k + kBlockN - 1) / kBlockN, slots = sms * per_sm;
   long long most = blocks / kMinBlocksPerSplit;
   most = most < kMaxSplits ? most : kMaxSplits;
-  if (tiles <= 0 || slots <= 0 || most <= 1) return 1;
+  if (tiles <= 0 || sms <= 0 || per_sm <= 0 || most <= 1) return 1;
+  if (tiles < slots) {
+    constexpr long long kFixed = 2;  // key blocks
+    long long best = 0, best_cost = 0;
+    for (long long n = 1; n <= most && tiles * n <= slots; ++n) {
+      const long long c = (tiles * n + sms - 1) / sms, per = (blocks + n - 1) / n;
+      const long long cost = (c == 1 ? 2 : c) * (per + kFixed);
+      if (best == 0 || cost < best_cost) best = n, best_cost = cost;
+    }
+    return int(best);
+  }
   auto fill = [&](long long n) {
     const long long ctas = tiles * n, waves = (ctas + slots - 1) / slots;
     return double(ctas) / double(waves * slots);

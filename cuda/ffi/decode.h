@@ -45,8 +45,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxflash::Options, StructMember<float>("sc
 
 namespace jaxflash {
 
-// The mask and dropout operands both targets take after their tensors (unused ones are placeholders of
-// the right shapes, ignored by flag).
+// The mask and dropout operands both targets take after their tensors. Ones that a flag marks unused are
+// neither read nor shape-checked: the Python layer passes empty arrays there, which cost XLA no kernel to make.
 struct OptionOperands {
   ffi::Buffer<ffi::S32> q_segment_ids;   // [..., Sq]
   ffi::Buffer<ffi::S32> kv_segment_ids;  // [..., Sk]
@@ -198,7 +198,7 @@ inline std::vector<int64_t> StatShape(ffi::Span<const int64_t> qd) {
 }
 
 // Checks the mask arrays against q [..., Sq, H, D] / k [..., Sk, Hk, D] and fills `mask`: segment ids
-// [..., Sq] and [..., Sk], lengths [...], all int32. Arrays that a flag marks unused are ignored.
+// [..., Sq] and [..., Sk], lengths [...], all int32. Arrays that a flag marks unused are ignored (any shape).
 inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, const AttnDims& dims,
                             const OptionOperands& ops, const Options& opts, MaskParams* mask) {
   if (opts.window_left < -1 || opts.window_right < -1)
@@ -208,10 +208,15 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
   std::vector<int64_t> want_q = lead, want_k = lead;
   want_q.push_back(dims.seqlen_q);
   want_k.push_back(dims.seqlen_k);
-  if (auto e = CheckShape(target, "q_segment_ids", ops.q_segment_ids.dimensions(), want_q); e.failure()) return e;
-  if (auto e = CheckShape(target, "kv_segment_ids", ops.kv_segment_ids.dimensions(), want_k); e.failure()) return e;
-  if (auto e = CheckShape(target, "q_lengths", ops.q_lengths.dimensions(), lead); e.failure()) return e;
-  if (auto e = CheckShape(target, "kv_lengths", ops.kv_lengths.dimensions(), lead); e.failure()) return e;
+  if (opts.segment_ids) {
+    if (auto e = CheckShape(target, "q_segment_ids", ops.q_segment_ids.dimensions(), want_q); e.failure()) return e;
+    if (auto e = CheckShape(target, "kv_segment_ids", ops.kv_segment_ids.dimensions(), want_k); e.failure())
+      return e;
+  }
+  if (opts.lengths) {
+    if (auto e = CheckShape(target, "q_lengths", ops.q_lengths.dimensions(), lead); e.failure()) return e;
+    if (auto e = CheckShape(target, "kv_lengths", ops.kv_lengths.dimensions(), lead); e.failure()) return e;
+  }
   mask->diag_offset = (opts.bottom_right ? dims.seqlen_k - dims.seqlen_q : 0) + opts.diagonal_shift;
   mask->diag_follows_lengths = opts.bottom_right;  // bottom-right per sequence: kv_len[b] - q_len[b]
   mask->window_left = opts.window_left;
@@ -223,14 +228,15 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
   return ffi::Error::Success();
 }
 
-// Dropout: rate in [0, 1); state [..., kDropoutStateWords] uint32 (params.h), read only when rate > 0.
+// Dropout: rate in [0, 1); state [..., kDropoutStateWords] uint32 (params.h), checked and read only when rate > 0.
 inline ffi::Error ParseDropout(const char* target, ffi::Span<const int64_t> qd, const ffi::Buffer<ffi::U32>& state,
                                float rate, DropoutParams* dropout) {
   if (!(rate >= 0.f && rate < 1.f))
     return Invalid(target, "dropout_rate must be in [0, 1); got " + std::to_string(rate));
   std::vector<int64_t> want(qd.begin(), qd.end() - 3);
   want.push_back(kDropoutStateWords);
-  if (auto e = CheckShape(target, "dropout_state", state.dimensions(), want); e.failure()) return e;
+  if (rate > 0.f)
+    if (auto e = CheckShape(target, "dropout_state", state.dimensions(), want); e.failure()) return e;
   dropout->rate = rate;
   // floor(rate * 2^32) < 2^32 for rate < 1 in float; double keeps it exact.
   dropout->threshold = uint32_t(double(rate) * 4294967296.0);

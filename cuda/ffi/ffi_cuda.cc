@@ -265,7 +265,7 @@ NB_MODULE(_jaxflash_cuda, m) {
         int64_t per_sm = info.smem_per_multiprocessor / (dec::smem_bytes(int(head_dim)) + 1024);
         const int64_t most = dec::blocks_per_sm(int(head_dim));
         per_sm = per_sm < 1 ? 1 : (per_sm > most ? most : per_sm);
-        return dec::choose_num_splits(tiles, seqlen_k, per_sm * info.multiprocessors);
+        return dec::choose_num_splits(tiles, seqlen_k, info.multiprocessors, per_sm);
       },
       nb::arg("batch"), nb::arg("seqlen_q"), nb::arg("heads_q"), nb::arg("heads_k"), nb::arg("seqlen_k"),
       nb::arg("head_dim"), nb::arg("device") = 0,
