@@ -58,6 +58,15 @@ JAXFLASH_HD bool block_fully_visible(const MaskParams& m, int64_t row_begin, int
   return true;
 }
 
+// Query rows that see every key of [key_begin, key_end) lie in [*row_begin, *row_end) (not clamped): a block of
+// rows inside it is block_fully_visible with those keys. Lets a K/V block decide that test per query block with
+// two comparisons.
+JAXFLASH_HD void fully_visible_query_range(const MaskParams& m, int64_t key_begin, int64_t key_end,
+                                           int64_t* row_begin, int64_t* row_end) {
+  *row_begin = m.window_right >= 0 ? (key_end - 1) - m.diag_offset - m.window_right : INT64_MIN;
+  *row_end = m.window_left >= 0 ? key_begin - m.diag_offset + m.window_left + 1 : INT64_MAX;
+}
+
 // --- the whole mask of one batch element: structure + lengths + segment ids -----------------------------
 struct BatchMask {
   MaskParams m;

@@ -239,6 +239,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   extras.dropout = false;  // never here (the handler's rule): the keep-bit draw assumes the mma.sync row layout
 
   auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
+  // Whether a query block needs the per-key mask, decided once for this K/V block: the whole mask's state
+  // spilled, and its reload from L2 stalled every block before the softmax.
+  const bool mask_always = segments || n0 + kN > bm.kv_len;
+  int64_t full_rows_begin, full_rows_end;
+  fully_visible_query_range(bm.m, n0, n0 + kN, &full_rows_begin, &full_rows_end);
+  full_rows_end = cute::min(full_rows_end, bm.q_len);
   if (n_iters > 0) {
     ClusterTransactionBarrier::wait(&ss.kv_full, 0);
     if (n_valid_end < n_end) {  // keys past kv_len inside the tensor
@@ -277,7 +283,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
     warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
     if (kExtras && p.softcap > 0.f) softcap_scores(acc_s, p.scale, p.softcap);
-    if (segments || n0 + kN > bm.kv_len || m_end > bm.q_len || !block_fully_visible(bm.m, m0, m_end, n0, n0 + kN))
+    if (mask_always || m0 < full_rows_begin || m_end > full_rows_end)
       mask_scores_by_key<kM, kExtras>(s_kq, c_kq, bm, n0, m0);
     scores_to_probs(s_t, lse2, score_log2);
     load_stats(ss.delta[stage], delta);
