@@ -228,15 +228,16 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
   return ffi::Error::Success();
 }
 
-// Dropout: rate in [0, 1); state [..., kDropoutStateWords] uint32 (params.h), checked and read only when rate > 0.
+// Dropout: rate in [0, 1); state [..., kDropoutStateWords] uint32 (params.h), checked and read when rate > 0.
 inline ffi::Error ParseDropout(const char* target, ffi::Span<const int64_t> qd, const ffi::Buffer<ffi::U32>& state,
                                float rate, DropoutParams* dropout) {
   if (!(rate >= 0.f && rate < 1.f))
     return Invalid(target, "dropout_rate must be in [0, 1); got " + std::to_string(rate));
   std::vector<int64_t> want(qd.begin(), qd.end() - 3);
   want.push_back(kDropoutStateWords);
-  if (rate > 0.f)
+  if (rate > 0.f) {
     if (auto e = CheckShape(target, "dropout_state", state.dimensions(), want); e.failure()) return e;
+  }
   dropout->rate = rate;
   // floor(rate * 2^32) < 2^32 for rate < 1 in float; double keeps it exact.
   dropout->threshold = uint32_t(double(rate) * 4294967296.0);
