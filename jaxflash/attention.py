@@ -44,9 +44,12 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
       q_lengths, kv_lengths: int ``[...]`` (one per batch element): keys at or past ``kv_lengths`` are
         invisible; query rows at or past ``q_lengths`` return 0 (LSE ``-inf``) and get zero gradients.
       softcap: ``c > 0``: scores become ``c * tanh(s / c)`` before the softmax (exact backward).
-      dropout_rate, dropout_key: dropout of the attention probabilities inside the kernels, ``0 <= rate < 1``,
-        drawn from the JAX PRNG key ``dropout_key`` (required when the rate is positive). Kept probabilities
-        are scaled by ``1 / (1 - rate)``; the LSE is that of the undropped softmax. The keep decision of element
+      dropout_rate, dropout_key: dropout of the attention probabilities inside the kernels, drawn from the JAX
+        PRNG key ``dropout_key`` (required when the rate is positive). The kernels draw one byte per element,
+        so the rate is rounded to the nearest multiple of 1/256 (``jaxflash.dropout.effective_rate``; 0.1 drops
+        26/256 = 0.1016), which must lie in ``[1/256, 255/256]``: 0 (off) or ``1/512 <= rate < 255.5/256``.
+        Kept probabilities are scaled by ``1 / (1 - effective_rate)``, so the output's expectation is the
+        undropped one; the LSE is that of the undropped softmax. The keep decision of element
         (batch, head, row, column) is a pure function of the key and those indices (Philox4x32-10, see
         `jaxflash.dropout_mask`), so the backward pass redraws exactly the forward's mask and the result does
         not depend on tiling or on vmap over the other inputs. Batch indices count the flattened leading dims
@@ -94,7 +97,7 @@ def plan(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropo
          deterministic=False, backend=None, name="jaxflash.attention", positions=(0, 0)) -> Plan:
     """Validates one call (every error names `name`, the public function called) and resolves its backend.
     `positions`: the (row, column) of this call's first query and key in a longer sequence (ring attention's
-    slices; ints or traced scalars, the column a multiple of 4), so dropout draws that sequence's mask."""
+    slices; ints or traced scalars, the column a multiple of 16), so dropout draws that sequence's mask."""
     _check_arrays(name, query, key, value)
     causal = _check_bool(name, "causal", mask.causal)
     bottom_right = _check_bool(name, "bottom_right", mask.bottom_right)
@@ -251,6 +254,11 @@ def _check_dropout(fn, rate, key):
         _fail(fn, ValueError, f"dropout_rate must be in [0, 1); got {rate!r}")
     if value == 0.0:
         return 0.0, None
+    steps = dropout.threshold(value)
+    if not 1 <= steps <= 255:
+        _fail(fn, ValueError, f"dropout_rate={value} rounds to {steps}/256: the kernels draw the rate in steps of "
+                              "1/256 (one byte per element), so a positive rate must round to 1/256 .. 255/256 "
+                              "(1/512 <= rate < 255.5/256)")
     if key is None:
         _fail(fn, ValueError, f"dropout_rate={value} needs a dropout_key (a JAX PRNG key); got None")
     try:

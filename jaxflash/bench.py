@@ -244,7 +244,7 @@ def oracle(q, k, v, do, *, mask, keep=None, rate=0.0, softcap=None):
     p = np.exp(sc - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(-1, keepdims=True)
     p = p / np.where(l > 0, l, 1.0)
-    z = 1.0 if keep is None else keep / (1.0 - rate)
+    z = 1.0 if keep is None else keep / (1.0 - jaxflash.dropout.effective_rate(rate))  # the kernels' 1/256 steps
     o = (p * z) @ vt
     if do is None:
         return [o.transpose(0, 2, 1, 3)]

@@ -1,10 +1,13 @@
 """Dropout of the attention probabilities: the keep mask as the kernels draw it, in plain JAX.
 
-Element (batch b, head h, query row i, key column j) is kept iff word j % 4 of
-Philox4x32-10(counter = (j // 4, i, h, b), key = the two words of the JAX key) is at least
-floor(rate * 2**32) (rate rounded to float32 first, as the kernels receive it). Kept probabilities are
-scaled by 1 / (1 - rate). The same rule is written once in C++ (cuda/common/philox.h) for the kernels; this is
-the independent Python twin used by `backend="reference"` and the tests.
+One Philox4x32-10 call draws the bytes of 16 elements. Element (batch b, head h, query row i, key column j),
+with c = j % 16, reads byte 2 * (c // 8) + c % 2 (little-endian) of word (c % 8) // 2 of
+Philox4x32-10(counter = (j // 16, i, h, b), key = the two words of the JAX key), and is kept iff that byte is
+at least threshold(rate) = round(rate * 256) (rate rounded to float32 first, as the kernels receive it). So the
+rate is drawn in steps of 1/256: an element is dropped with probability threshold / 256, and kept probabilities
+are scaled by keep_scale(rate) = 256 / (256 - threshold), which keeps the output's expectation that of no
+dropout. The same rule is written once in C++ (cuda/common/philox.h) for the kernels; this is the independent
+Python twin used by `backend="reference"` and the tests.
 """
 from __future__ import annotations
 
@@ -50,8 +53,20 @@ def key_words(key):
 
 
 def threshold(rate: float) -> int:
-    """floor(rate * 2**32) of the float32 rate, exactly as the kernels compute it."""
-    return int(float(np.float32(rate)) * 4294967296.0)
+    """round(rate * 256) of the float32 rate (halves up), exactly as the kernels compute it: bytes below it drop
+    their element. 1 .. 255 for the rates the kernels take."""
+    return int(np.floor(float(np.float32(rate)) * 256.0 + 0.5))
+
+
+def keep_scale(rate: float) -> float:
+    """What a kept probability is multiplied by: 256 / (256 - threshold(rate)), rounded to float32 as the
+    kernels hold it."""
+    return float(np.float32(256.0 / (256.0 - threshold(rate))))
+
+
+def effective_rate(rate: float) -> float:
+    """The probability that an element is dropped: threshold(rate) / 256."""
+    return threshold(rate) / 256.0
 
 
 def dropout_mask(key, batch: int, heads: int, q_len: int, k_len: int, rate: float, *, row_offset=0,
@@ -63,6 +78,8 @@ def dropout_mask(key, batch: int, heads: int, q_len: int, k_len: int, rate: floa
     h = jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None]
     i = jnp.arange(q_len, dtype=jnp.uint32)[None, None, :, None] + jnp.asarray(row_offset, jnp.uint32)
     j = jnp.arange(k_len, dtype=jnp.uint32)[None, None, None, :] + jnp.asarray(col_offset, jnp.uint32)
-    r = philox4x32_10(j >> 2, i, h, b, words[0], words[1])
-    word = jnp.where((j & 3) == 0, r[0], jnp.where((j & 3) == 1, r[1], jnp.where((j & 3) == 2, r[2], r[3])))
-    return word >= jnp.uint32(threshold(rate))
+    r = philox4x32_10(j >> 4, i, h, b, words[0], words[1])
+    w = (j & 7) >> 1
+    word = jnp.where(w == 0, r[0], jnp.where(w == 1, r[1], jnp.where(w == 2, r[2], r[3])))
+    shift = 8 * (2 * ((j >> 3) & 1) + (j & 1))
+    return ((word >> shift) & jnp.uint32(0xFF)) >= jnp.uint32(threshold(rate))

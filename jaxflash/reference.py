@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .dropout import dropout_mask
+from .dropout import dropout_mask, keep_scale
 from .mask import Mask
 
 
@@ -81,7 +81,7 @@ def attend(query, key, value, mask: Mask, *, scale: float | None = None, softcap
         lead, (h, sq, sk) = query.shape[:-3], p.shape[-3:]
         keep = dropout_mask(dropout_key, int(np.prod(lead, dtype=np.int64)), h, sq, sk, dropout_rate,
                             row_offset=positions[0], col_offset=positions[1])
-        p = jnp.where(keep.reshape(lead + (h, sq, sk)), p / jnp.asarray(1 - dropout_rate, p.dtype), 0)
+        p = jnp.where(keep.reshape(lead + (h, sq, sk)), p * jnp.asarray(keep_scale(dropout_rate), p.dtype), 0)
     out = jnp.einsum("...hqk,...khd->...qhd", p, v).astype(query.dtype)
     l32 = l[..., 0].astype(jnp.float32)
     lse = jnp.where(l32 > 0, jnp.log(jnp.where(l32 > 0, l32, 1)) + m[..., 0].astype(jnp.float32), -jnp.inf)

@@ -139,7 +139,7 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
         lengths, over each sequence's). Lengths together with a causal mask or a window make that diagonal a
         run-time shift, so every step then runs a kernel (inside it, hidden blocks are still skipped).
       dropout_rate, dropout_key: as `jaxflash.attention`; with dropout the keys of a shard (of each of its two
-        chunks with zigzag) must be a multiple of 4, the width of one draw.
+        chunks with zigzag) must be a multiple of 16, the width of one draw.
 
     K/V slices of shards whose keys no local query can see (causal, windows) are not computed, only passed on.
     """
@@ -165,9 +165,9 @@ def ring_attention(query, key, value, *, axis_name, layout: str = "contiguous", 
     if dropout_rate:
         zigzag = layout == "zigzag"
         chunk = key.shape[-3] // (2 if zigzag else 1)
-        if chunk % 4:
+        if chunk % 16:
             raise ValueError(f"{_NAME}: with dropout, a shard's keys{' per zigzag chunk' if zigzag else ''} must be "
-                             f"a multiple of 4 (the width of one dropout draw); got {chunk}")
+                             f"a multiple of 16 (the width of one dropout draw); got {chunk}")
     mask_arrays = (q_segment_ids, kv_segment_ids, q_lengths, kv_lengths, key_words)
     if _resolve_backend(_NAME, backend, query) == "reference" or 0 in query.shape or 0 in key.shape:
         out, lse = _ring_forward(st, query, key, value, *mask_arrays)  # differentiated by JAX

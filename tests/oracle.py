@@ -40,7 +40,8 @@ def attention(q, k, v, *, causal=False, scale=None, do=None, softcap=None, keep=
 
     All math in float64. Rows that see no key give o = 0, lse = -inf, zero gradients. `mask_kwargs`: the
     keywords of `visible_mask` (window, bottom_right, segment ids, lengths). `keep` (bool [..., Hq, Sq, Sk])
-    and `rate`: dropout, kept probabilities scaled by 1 / (1 - rate); the lse is the undropped one."""
+    and `rate`: dropout, kept probabilities scaled by 1 / (1 - the rate rounded to a multiple of 1/256, the
+    kernels' step); the lse is the undropped one."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
@@ -62,7 +63,8 @@ def attention(q, k, v, *, causal=False, scale=None, do=None, softcap=None, keep=
     e = np.exp(s - m_safe)
     l = e.sum(-1, keepdims=True)
     p = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
-    z = 1.0 if keep is None else np.asarray(keep, np.float64) / (1.0 - rate)
+    dropped = np.floor(float(np.float32(rate)) * 256.0 + 0.5) / 256.0
+    z = 1.0 if keep is None else np.asarray(keep, np.float64) / (1.0 - dropped)
     o = np.swapaxes((p * z) @ vt, -2, -3)
     with np.errstate(divide="ignore"):
         lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m_safe[..., 0], -np.inf)

@@ -8,7 +8,7 @@ import pytest
 import jaxflash
 import oracle
 from conftest import DTYPES, check_close, make_inputs
-from jaxflash import _jaxflash_cpu
+from jaxflash import _jaxflash_cpu, dropout
 from jaxflash.dropout import philox4x32_10
 
 # Random123's known-answer vectors for Philox4x32-10 (counter, key, output).
@@ -29,12 +29,57 @@ def test_cpp_and_jax_philox_agree_on_random_counters():
             int(w) for w in philox4x32_10(*map(int, words)))
 
 
+def _bytes_of(k0, k1, b, h, i, g):
+    """The 16 bytes of one Philox call (counter (g, i, h, b)), word by word, little-endian: from the C++ generator
+    and the byte order philox.h documents, independently of dropout_mask's vectorised spelling."""
+    words = _jaxflash_cpu.philox4x32_10(g, i, h, b, k0, k1)
+    return [(w >> (8 * y)) & 0xFF for w in words for y in range(4)]
+
+
+def test_mask_reads_the_documented_byte_of_the_documented_call():
+    key, rate = jax.random.key(12), 0.3
+    k0, k1 = (int(w) for w in dropout.key_words(key))
+    m = np.asarray(jaxflash.dropout_mask(key, 2, 3, 5, 40, rate))
+    t = dropout.threshold(rate)
+    for b, h, i, j in np.ndindex(*m.shape):
+        c = j % 16
+        byte = _bytes_of(k0, k1, b, h, i, j // 16)[4 * ((c % 8) // 2) + 2 * (c // 8) + c % 2]
+        assert m[b, h, i, j] == (byte >= t), (b, h, i, j)
+
+
+def test_cpp_keep_bits_equal_dropout_mask():
+    rng = np.random.default_rng(1)
+    for k0, k1, b, h, i, g, r in zip(*rng.integers(0, 2**32, (6, 40), dtype=np.uint64), rng.uniform(0.01, 0.99, 40)):
+        k0, k1, b, h, i, g = (int(x) for x in (k0, k1, b % 7, h % 9, i, g % 2**27))
+        bits = _jaxflash_cpu.dropout_keep16(k0, k1, b, h, i, g, float(r))
+        want = np.asarray(jaxflash.dropout_mask(jnp.asarray([k0, k1], jnp.uint32), b + 1, h + 1, 1, 16, float(r),
+                                                row_offset=i, col_offset=16 * g))[b, h, 0]
+        assert [(bits >> c) & 1 for c in range(16)] == [int(x) for x in want]
+
+
+@pytest.mark.parametrize("rate, steps", [(0.1, 26), (0.5, 128), (0.9, 230), (1 / 512, 1), (0.998, 255), (0.3, 77)])
+def test_rate_is_drawn_in_steps_of_1_256(rate, steps):
+    assert dropout.threshold(rate) == steps
+    assert dropout.effective_rate(rate) == steps / 256
+    assert dropout.keep_scale(rate) == np.float32(256 / (256 - steps))
+
+
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_keep_rate_within_binomial_bounds(rate):
     m = np.asarray(jaxflash.dropout_mask(jax.random.key(3), 2, 4, 256, 257, rate))
-    n = m.size
-    sd = np.sqrt(n * rate * (1 - rate))
-    assert abs(m.sum() - n * (1 - rate)) < 5 * sd
+    n, dropped = m.size, dropout.effective_rate(rate)
+    sd = np.sqrt(n * dropped * (1 - dropped))
+    assert abs(m.sum() - n * (1 - dropped)) < 5 * sd
+
+
+@pytest.mark.parametrize("rate", [1e-3, 0.9985])
+def test_rate_off_the_256_steps_is_an_error(rate):
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"jaxflash.attention: dropout_rate=.* rounds to (0|256)/256: the kernels "
+                                         r"draw the rate in steps of 1/256"):
+        jaxflash.attention(q, q, q, dropout_rate=rate, dropout_key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"rounds to (0|256)/256; the kernels draw the rate in steps of 1/256"):
+        _jaxflash_cpu.dropout_keep16(0, 0, 0, 0, 0, 0, rate)
 
 
 def test_no_correlation_between_neighbours():
@@ -43,8 +88,12 @@ def test_no_correlation_between_neighbours():
     bound = 5 * 0.25 / np.sqrt(n)  # 5 sigma of the mean of n products of independent +-1/2 variables
     for a, b in [(m[..., :, 1:], m[..., :, :-1]), (m[..., 1:, :], m[..., :-1, :]), (m[:, 1:], m[:, :-1])]:
         assert abs(np.mean(a * b)) < max(bound, 5 * 0.25 / np.sqrt(a.size))
-    # Columns 4c..4c+3 come from one Philox call: they must not be correlated either.
-    assert abs(np.mean(m[..., 0::4] * m[..., 1::4])) < 5 * 0.25 / np.sqrt(m[..., 0::4].size)
+    # Columns 16g .. 16g+15 come from one Philox call: no two of its bytes may be correlated either.
+    groups = m.reshape(m.shape[:-1] + (32, 16))
+    for a in range(16):
+        for b in range(a + 1, 16):
+            x = groups[..., a] * groups[..., b]
+            assert abs(np.mean(x)) < 5 * 0.25 / np.sqrt(x.size), (a, b)
 
 
 CASES = [  # (Sq, Sk, Hq, Hk, D, causal, dtype, rate)

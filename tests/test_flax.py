@@ -79,7 +79,7 @@ def oracle_attention(query, key, value, mask=None, dropout_rng=None, dropout_rat
     if not deterministic and dropout_rate > 0:
         lead = query.shape[:-3]
         keep = jaxflash.dropout_mask(dropout_rng, math.prod(lead), h, sq, sk, dropout_rate)
-        p = jnp.where(keep.reshape(lead + (h, sq, sk)), p / (1 - dropout_rate), 0)
+        p = jnp.where(keep.reshape(lead + (h, sq, sk)), p / (1 - jaxflash.dropout.effective_rate(dropout_rate)), 0)
     return jnp.einsum("...hqk,...khd->...qhd", p, value)
 
 

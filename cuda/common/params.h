@@ -37,12 +37,13 @@ struct MaskParams {
 // Dropout of the attention probabilities (philox.h has the rule). rate = 0: off, state unused.
 // Per batch element: key word 0, key word 1, the element's batch index, and the position of the call's first
 // query row and first key column in the whole sequence (0 and 0 but for a slice of it: a ring attention step;
-// the column a multiple of 4, the width of one Philox draw).
+// the column a multiple of 16, the width of one Philox draw).
 constexpr int kDropoutStateWords = 5;
 
 struct DropoutParams {
-  float rate = 0.0f;
-  uint32_t threshold = 0;      // floor(rate * 2^32)
+  float rate = 0.0f;                // as asked; > 0 turns dropout on
+  uint32_t threshold = 0;           // round(rate * 256), in [1, 255]: bytes below it drop their element
+  float keep_scale = 1.0f;          // 256 / (256 - threshold): kept probabilities are multiplied by it
   const uint32_t* state = nullptr;  // [batch, kDropoutStateWords]
 };
 

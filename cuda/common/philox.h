@@ -2,10 +2,14 @@
 // use, and the dropout decision built on it. One definition for the CPU and CUDA kernels and the same spec as
 // jaxflash.dropout_mask (Python), so every backend draws the identical mask bit for bit.
 //
-// Dropout keeps element (batch b, head h, query row i, key column j) iff word j % 4 of
-//   Philox4x32-10(counter = (j / 4, i, h, b), key = (k0, k1))
-// is >= threshold = floor(rate * 2^32). A pure function of the key and the four indices: independent of tile
-// sizes, thread layout and backend.
+// Dropout draws one byte per element, sixteen per Philox call: element (batch b, head h, query row i, key
+// column j) reads byte 2 * (c / 8) + c % 2 (little-endian) of word (c % 8) / 2 of
+//   Philox4x32-10(counter = (j / 16, i, h, b), key = (k0, k1)),   c = j % 16,
+// and is kept iff that byte is >= threshold = round(rate * 256). The rate is thus drawn in steps of 1/256 and kept
+// values are scaled by 256 / (256 - threshold), the inverse of the keep probability. The byte order puts
+// the four columns one lane of a tensor-core accumulator holds in a 16-column group (2q, 2q+1, 8+2q, 9+2q
+// for lane q of a quad) in word q, so a call's words go one to each lane of the quad. A pure function of
+// the key and the four indices: independent of tile sizes, thread layout and backend.
 #pragma once
 
 #include <cstdint>
@@ -47,29 +51,43 @@ JAXFLASH_PHILOX_HD Philox4 philox4x32_10(Philox4 ctr, uint32_t k0, uint32_t k1) 
 }
 
 // What a kernel needs to decide dropout: the batch element's key, index and position (see DropoutParams), and
-// the rate as a 32-bit threshold.
+// the rate as an 8-bit threshold.
 struct DropoutDraw {
   uint32_t k0, k1, batch;
-  uint32_t row0, group0;  // this call's first query row and first group of four key columns in the whole sequence
+  uint32_t row0, group0;  // this call's first query row and first group of 16 key columns in the whole sequence
   uint32_t threshold;
 };
 
-// The four keep bits of columns 4c .. 4c+3 of row i, head h (one Philox call serves four columns), i and c
-// counted within the call: the counter holds their positions in the whole sequence.
-JAXFLASH_PHILOX_HD uint32_t dropout_keep4(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t c) {
-  const Philox4 r = philox4x32_10(Philox4{{c + d.group0, i + d.row0, h, d.batch}}, d.k0, d.k1);
+// The Philox words of row i, head h and the 16 key columns 16g .. 16g+15, i and g counted within the call:
+// the counter holds their positions in the whole sequence.
+JAXFLASH_PHILOX_HD Philox4 dropout_words(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t g) {
+  return philox4x32_10(Philox4{{g + d.group0, i + d.row0, h, d.batch}}, d.k0, d.k1);
+}
+
+// Where column c of a 16-column group reads its byte: the word, and the byte's shift within it.
+JAXFLASH_PHILOX_HD int dropout_word(int c) { return (c & 7) >> 1; }
+JAXFLASH_PHILOX_HD int dropout_shift(int c) { return 8 * (2 * ((c >> 3) & 1) + (c & 1)); }
+
+JAXFLASH_PHILOX_HD bool dropout_byte_keeps(uint32_t word, int shift, uint32_t threshold) {
+  return ((word >> shift) & 0xFFu) >= threshold;
+}
+
+// The 16 keep bits of the group of columns 16g .. 16g+15 of row i (bit c: column 16g + c).
+JAXFLASH_PHILOX_HD uint32_t dropout_keep16(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t g) {
+  const Philox4 r = dropout_words(d, h, i, g);
   uint32_t bits = 0;
-  for (int w = 0; w < 4; ++w) bits |= uint32_t(r.x[w] >= d.threshold) << w;
+  for (int c = 0; c < 16; ++c)
+    bits |= uint32_t(dropout_byte_keeps(r.x[dropout_word(c)], dropout_shift(c), d.threshold)) << c;
   return bits;
 }
 
 JAXFLASH_PHILOX_HD DropoutDraw dropout_draw(const DropoutParams& p, int64_t b) {
   const uint32_t* s = p.state + kDropoutStateWords * b;
-  return DropoutDraw{s[0], s[1], s[2], s[3], s[4] >> 2, p.threshold};
+  return DropoutDraw{s[0], s[1], s[2], s[3], s[4] >> 4, p.threshold};
 }
 
 JAXFLASH_PHILOX_HD bool dropout_keep(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t j) {
-  return (dropout_keep4(d, h, i, j >> 2) >> (j & 3)) & 1u;
+  return (dropout_keep16(d, h, i, j >> 4) >> (j & 15)) & 1u;
 }
 
 }  // namespace jaxflash

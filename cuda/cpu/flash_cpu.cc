@@ -259,16 +259,16 @@ void CapAndMask(float* st, int64_t ld, int64_t rows, int64_t cols, int64_t row0,
       if (!is_visible(mask, row0 + i, col0 + j)) st[j * ld + i] = kNegInf;
 }
 
-// Dropout of a transposed tile: x[j][i] *= keep(row0 + i, col0 + j) / (1 - rate), or, with `factors`, x is
-// set to that factor. One Philox call serves four adjacent keys (philox.h).
-void DropoutT(const DropoutDraw& d, float inv_keep, uint32_t head, int64_t row0, int64_t rows, int64_t col0,
+// Dropout of a transposed tile: x[j][i] *= keep(row0 + i, col0 + j) * keep_scale, or, with `factors`, x is
+// set to that factor. One Philox call serves sixteen adjacent keys (philox.h).
+void DropoutT(const DropoutDraw& d, float keep_scale, uint32_t head, int64_t row0, int64_t rows, int64_t col0,
               int64_t cols, float* x, int64_t ld, bool factors) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols;) {
-      const int64_t group = (col0 + j) >> 2;
-      const uint32_t bits = dropout_keep4(d, head, uint32_t(row0 + i), uint32_t(group));
-      for (; j < cols && ((col0 + j) >> 2) == group; ++j) {
-        const float f = ((bits >> ((col0 + j) & 3)) & 1u) ? inv_keep : 0.f;
+      const int64_t group = (col0 + j) >> 4;
+      const uint32_t bits = dropout_keep16(d, head, uint32_t(row0 + i), uint32_t(group));
+      for (; j < cols && ((col0 + j) >> 4) == group; ++j) {
+        const float f = ((bits >> ((col0 + j) & 15)) & 1u) ? keep_scale : 0.f;
         x[j * ld + i] = factors ? f : x[j * ld + i] * f;
       }
     }
@@ -336,7 +336,7 @@ void Pass<Tag>::Forward(const FwdParams& p, const Src& src, TaskPool* pool) cons
     const int64_t nq = RoundUp(std::max<int64_t>(valid, 1), W);  // query columns of the score tile
     const bool dropout = p.dropout.rate > 0.f;
     const DropoutDraw draw = dropout ? dropout_draw(p.dropout, b) : DropoutDraw{};
-    const float inv_keep = 1.f / (1.f - p.dropout.rate);
+    const float keep_scale = p.dropout.keep_scale;
     const T* qp = q + b * dm.q_batch_stride() + row0 * dm.q_row_stride() + h * D;
 
     LoadRowsT(tag, qp, valid, D, dm.q_row_stride(), p.scale, w.qt, nq);  // scale folded into Q once
@@ -356,7 +356,7 @@ void Pass<Tag>::Forward(const FwdParams& p, const Src& src, TaskPool* pool) cons
       CapAndMask(w.st.ptr(), w.st.ld, valid, cols, row0, col0, mask, full, p.softcap);
       // S^T becomes P^T; l sums the probabilities before dropout.
       kn.softmax(SoftmaxArgs{w.st.ptr(), w.st.ld, cols, nq, w.m.data(), w.l.data(), w.alpha.data()});
-      if (dropout) DropoutT(draw, inv_keep, uint32_t(h), row0, valid, col0, cols, w.st.ptr(), w.st.ld, false);
+      if (dropout) DropoutT(draw, keep_scale, uint32_t(h), row0, valid, col0, cols, w.st.ptr(), w.st.ld, false);
       Gemm(kn, w.st.ptr(), 1, w.st.ld, vr.ptr, vr.ld, w.o.ptr(), w.o.ld, valid, Dp, cols, true,
            w.alpha.data());  // O = alpha O + P V
     }
@@ -422,7 +422,7 @@ void Pass<Tag>::Backward(const BwdParams& p, TaskPool* pool) const {
     const Rows vr = KeyRows(tag, v + k_off(b, 0, hk), dm.seqlen_k, D, dm.k_row_stride(), W, w.vbuf);
     const bool dropout = p.dropout.rate > 0.f;
     const DropoutDraw draw = dropout ? dropout_draw(p.dropout, b) : DropoutDraw{};
-    const float inv_keep = 1.f / (1.f - p.dropout.rate);
+    const float keep_scale = p.dropout.keep_scale;
 
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t qb = share; qb < num_q_blocks; qb += shares) {
@@ -459,10 +459,10 @@ void Pass<Tag>::Backward(const BwdParams& p, TaskPool* pool) const {
           const bool full = block_fully_visible(mask, row0, row0 + valid, col0, col0 + cols);
           CapAndMask(w.st.ptr(), w.st.ld, valid, cols, row0, col0, mask, full, p.softcap);
           Gemm(kn, vb, vr.ld, 1, w.dot.ptr(), w.dot.ld, w.dpt.ptr(), w.dpt.ld, cols, nq, D, false);  // dP^T
-          // With dropout (keep mask Z, kept values scaled by 1 / (1 - rate)): O = (P * Z') V, so dV uses
+          // With dropout (keep mask Z, kept values scaled by keep_scale): O = (P * Z') V, so dV uses
           // P * Z', dP is dO V^T * Z', and dS = P (dP - delta) as without.
           if (dropout)
-            DropoutT(draw, inv_keep, uint32_t(h), row0, valid, col0, cols, w.zt.ptr(), w.zt.ld, true);
+            DropoutT(draw, keep_scale, uint32_t(h), row0, valid, col0, cols, w.zt.ptr(), w.zt.ld, true);
           // q is pre-scaled, so dS is d(loss)/d(scaled S), through the softcap's 1 - tanh^2 when one is set.
           kn.probs_grads(ProbsGradsArgs{w.st.ptr(), w.dpt.ptr(), dropout ? w.zt.ptr() : nullptr, w.st.ld, cols,
                                         nq, w.lse.data(), w.delta.data(), p.softcap});

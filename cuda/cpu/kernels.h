@@ -43,7 +43,7 @@ struct SoftmaxArgs {
 // The backward's elementwise step on transposed tiles [key j][query i] (row stride ld, n a multiple of vec):
 //   P = exp(s - lse[i])               (0 where lse[i] = -inf: a row that sees nothing)
 //   dS = P (dP * z - delta[i])        (0 where P = 0), times 1 - (s / softcap)^2 when softcap > 0
-//   P *= z                            (z: the dropout factor, 0 or 1 / (1 - rate); null = no dropout)
+//   P *= z                            (z: the dropout factor, 0 or keep_scale; null = no dropout)
 // `s` enters in pt and leaves as P (times z); dP enters in dpt and leaves as dS.
 struct ProbsGradsArgs {
   float* pt;

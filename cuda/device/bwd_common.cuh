@@ -47,7 +47,7 @@ struct BwdExtras {
   float t_scale = 0.f;  // ln 2 / softcap: turns log2(P) + LSE·log2 e into t = capped score / cap
   bool dropout = false;
   DropoutDraw draw{};
-  float inv_keep = 1.f;  // 1 / (1 − rate)
+  float keep_scale = 1.f;  // what a kept probability is multiplied by (philox.h)
 
   BwdExtras() = default;
   __device__ BwdExtras(const BwdParams& p, int64_t batch) {
@@ -58,7 +58,7 @@ struct BwdExtras {
     if (p.dropout.rate > 0.f) {
       dropout = true;
       draw = dropout_draw(p.dropout, batch);
-      inv_keep = 1.f / (1.f - p.dropout.rate);
+      keep_scale = p.dropout.keep_scale;
     }
   }
 };
@@ -86,10 +86,11 @@ __forceinline__ __device__ void scores_to_probs(TS& s, const float (&lse2)[kRows
 }
 
 // In place: dp (rowcol view of dP = dO·Vᵀ) -> dS = P ∘ (dP ∘ Z − delta) ∘ (1 − t²), and pr -> P ∘ Z (what dV
-// needs). Z = keep / (1 − rate) is the forward's dropout, drawn again from the same counters; t is the capped
+// needs). Z = keep · keep_scale is the forward's dropout, drawn again from the same counters; t is the capped
 // score over the cap, recovered from P itself (log2 P + lse2 = s'·log2 e) instead of holding the scores in
-// registers. Without softcap and dropout this is the plain P ∘ (dP − delta).
-template <bool kExtras, class TP, class TD, class TC, int kRows>
+// registers. Without softcap and dropout this is the plain P ∘ (dP − delta). kKeepAtoms: for_each_keep's
+// kAtomsPerGroup for this accumulator layout, 0 where dropout is not compiled in.
+template <bool kExtras, int kKeepAtoms, class TP, class TD, class TC, int kRows>
 __forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP& pr, TC const& coords, const float (&delta)[kRows],
                                                   const float (&lse2)[kRows], const BwdExtras& x, uint32_t head,
                                                   int64_t m0, int64_t n0) {
@@ -98,14 +99,18 @@ __forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP& pr, TC const& coor
     const float t = (log2f(prob) + lse2[r]) * x.t_scale;
     return prob > 0.f ? 1.f - t * t : 0.f;
   };
-  if (kExtras && x.dropout) {
-    for_each_keep(coords, x.draw, head, m0, n0, [&](int r, int c, bool keep) {
-      const float prob = pr(r, c);
-      const float dpz = keep ? dp(r, c) * x.inv_keep : 0.f;
-      dp(r, c) = prob * (dpz - delta[r]) * cap_factor(r, prob);
-      pr(r, c) = keep ? prob * x.inv_keep : 0.f;
-    });
-  } else if (kExtras && x.softcap > 0.f) {
+  if constexpr (kExtras && kKeepAtoms > 0) {
+    if (x.dropout) {
+      for_each_keep<kKeepAtoms>(coords, x.draw, head, m0, n0, [&](int r, int c, bool keep) {
+        const float prob = pr(r, c);
+        const float dpz = keep ? dp(r, c) * x.keep_scale : 0.f;
+        dp(r, c) = prob * (dpz - delta[r]) * cap_factor(r, prob);
+        pr(r, c) = keep ? prob * x.keep_scale : 0.f;
+      });
+      return;
+    }
+  }
+  if (kExtras && x.softcap > 0.f) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL

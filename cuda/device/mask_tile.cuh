@@ -171,34 +171,67 @@ __device__ void narrow_by_ids(const int32_t* a_ids, int64_t a_begin, int64_t a_e
   }
 }
 
-// Calls f(r, c, keep) for every element of a rowcol tile, keep = philox.h's decision for (head, row, col).
-// In an m16n8k16 accumulator a lane holds rows {R, R+8} x columns {2q, 2q+1} of each atom, and its partner
-// (lane ^ 1) the same rows x the other two columns of the same group of four. One Philox call gives the four
-// keep bits of one (row, group): each lane computes one of the two rows and swaps with its partner, so every
-// call serves four of the lane's elements. All 32 lanes must call it together.
-template <class TC, class F>
+// Calls f(r, c, keep) for every element of a rowcol view of an m16n8 accumulator (mma.sync or wgmma), keep =
+// philox.h's decision for (head, row0 + row, col0 + col); col0 and the columns a thread's atoms start at are
+// multiples of 16 and 8. The four lanes of a quad hold the same rows, lane q the columns 2q, 2q+1 (mod 8),
+// whose bytes philox.h puts in word q of their (row, 16-column group)'s call. kAtomsPerGroup: 2 when a
+// thread's consecutive atoms (8 columns each) are the two halves of one group (warps split only the rows), 1
+// when each atom meets its group alone (warps split the columns too: another warp draws the same call for the
+// other half). The quad's (row, group) pairs are split four ways: each lane draws every fourth and the lanes
+// swap words, three shuffles per four calls. All 32 lanes must call it together.
+template <int kAtomsPerGroup, class TC, class F>
 __forceinline__ __device__ void for_each_keep(TC const& coords, const DropoutDraw& d, uint32_t head, int64_t row0,
                                               int64_t col0, F&& f) {
   constexpr int kRows = decltype(cute::size<0>(coords))::value, kCols = decltype(cute::size<1>(coords))::value;
-  static_assert(kRows % 2 == 0 && kCols % 2 == 0);
-  const int parity = threadIdx.x & 1;
+  constexpr int kWidth = 2 * kAtomsPerGroup;  // a pair's columns in this thread
+  constexpr int kGroups = kCols / kWidth;     // pairs per row
+  constexpr int kPairs = kRows * kGroups;
+  static_assert((kAtomsPerGroup == 1 || kAtomsPerGroup == 2) && kCols % kWidth == 0);
+  const int q = threadIdx.x & 3;
+  // Selections by the lane's bits, branch-free. The counter is 32-bit: so is the index arithmetic.
+  auto pick = [](uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, int i) {
+    const uint32_t lo = (i & 1) ? a1 : a0, hi = (i & 1) ? a3 : a2;
+    return (i & 2) ? hi : lo;
+  };
+  auto row_of = [&](int r) { return uint32_t(row0) + uint32_t(cute::get<0>(coords(r, 0))); };
+  auto group_of = [&](int g) { return (uint32_t(col0) + uint32_t(cute::get<1>(coords(0, g * kWidth)))) >> 4; };
+  const uint32_t threshold24 = d.threshold << 24;
   CUTE_UNROLL
-  for (int m = 0; m < kRows / 2; ++m) {
-    const uint32_t row = uint32_t(row0 + cute::get<0>(coords(2 * m + parity, 0)));
+  for (int k = 0; k < (kPairs + 3) / 4; ++k) {
+    // Pair u = (row u / kGroups, group u % kGroups); this lane draws pair 4k + q (past the last pair, a draw
+    // nobody reads: the shuffles need every lane).
+    uint32_t row, group;
+    if constexpr (kAtomsPerGroup == 2 && kGroups % 4 == 0) {  // one row; consecutive groups (paired atoms)
+      const int g = 4 * k % kGroups;
+      row = row_of(4 * k / kGroups);
+      group = group_of(g) + uint32_t(q) * (group_of(g + 1) - group_of(g));
+    } else {
+      auto at = [&](int u, bool want_row) {
+        return u >= kPairs ? 0u : want_row ? row_of(u / kGroups) : group_of(u % kGroups);
+      };
+      row = pick(at(4 * k, true), at(4 * k + 1, true), at(4 * k + 2, true), at(4 * k + 3, true), q);
+      group = pick(at(4 * k, false), at(4 * k + 1, false), at(4 * k + 2, false), at(4 * k + 3, false), q);
+    }
+    const Philox4 w = dropout_words(d, head, row, group);
+    // got[x]: word q of pair 4k + (q ^ x), sent by lane q ^ x (which picks word q = its own index ^ x).
+    uint32_t got[4];
     CUTE_UNROLL
-    for (int n = 0; n < kCols / 2; ++n) {
-      const uint32_t group = uint32_t((col0 + cute::get<1>(coords(0, 2 * n))) >> 2);
-      const uint32_t own = dropout_keep4(d, head, row, group);
-      const uint32_t other = __shfl_xor_sync(0xffffffffu, own, 1);
+    for (int x = 0; x < 4; ++x) {
+      const uint32_t mine = pick(w.x[0], w.x[1], w.x[2], w.x[3], q ^ x);
+      got[x] = x == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, x);
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < 4 && 4 * k + j < kPairs; ++j) {
+      const int u = 4 * k + j, r = u / kGroups, c0 = (u % kGroups) * kWidth;
+      const uint32_t word = pick(got[0], got[1], got[2], got[3], q ^ j);
       CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t bits = h == parity ? own : other;
-        CUTE_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          const int c = 2 * n + e;
-          const uint32_t col = uint32_t(col0 + cute::get<1>(coords(0, c)));
-          f(2 * m + h, c, ((bits >> (col & 3)) & 1u) != 0);
-        }
+      for (int c = c0; c < c0 + kWidth; ++c) {
+        // Byte 2 * (which half of the group) + (which of the lane's two columns), moved to the top: the
+        // compare against threshold << 24 ignores the bytes below it.
+        const int half =
+            kAtomsPerGroup == 2 ? (c - c0) / 2 : int((uint32_t(col0) + uint32_t(cute::get<1>(coords(0, c)))) >> 3) & 1;
+        const int shift = 8 * (2 * half + (c - c0) % 2);
+        f(r, c, (word << (24 - shift)) >= threshold24);
       }
     }
   }

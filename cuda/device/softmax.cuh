@@ -115,7 +115,7 @@ struct OnlineSoftmax {
     }
   }
 
-  // Divides `o` (rowcol view) by the row sums, times `o_scale` (dropout's 1 / (1 − rate)), and returns each
+  // Divides `o` (rowcol view) by the row sums, times `o_scale` (dropout's keep_scale), and returns each
   // row's LSE (natural log) in `lse`; `scale` is the factor update() applied to the scores.
   template <class TO>
   __forceinline__ __device__ void finalize(TO& o, float scale, float o_scale, float (&lse)[kNRows]) {

@@ -228,19 +228,30 @@ inline ffi::Error ParseMask(const char* target, ffi::Span<const int64_t> qd, con
   return ffi::Error::Success();
 }
 
-// Dropout: rate in [0, 1); state [..., kDropoutStateWords] uint32 (params.h), checked and read when rate > 0.
-inline ffi::Error ParseDropout(const char* target, ffi::Span<const int64_t> qd, const ffi::Buffer<ffi::U32>& state,
-                               float rate, DropoutParams* dropout) {
+// Dropout's rate into its 8-bit step (philox.h): threshold and keep_scale; 0 turns dropout off.
+inline ffi::Error ParseDropoutRate(const char* target, float rate, DropoutParams* dropout) {
   if (!(rate >= 0.f && rate < 1.f))
     return Invalid(target, "dropout_rate must be in [0, 1); got " + std::to_string(rate));
+  // Exact in double, and the same rounding as jaxflash.dropout.threshold.
+  const double steps = std::floor(double(rate) * 256.0 + 0.5);
+  if (rate > 0.f && !(steps >= 1.0 && steps <= 255.0))
+    return Invalid(target, "dropout_rate " + std::to_string(rate) + " rounds to " + std::to_string(int(steps)) +
+                               "/256; the kernels draw the rate in steps of 1/256 and need 1/256 .. 255/256");
+  dropout->rate = rate;
+  dropout->threshold = rate > 0.f ? uint32_t(steps) : 0u;
+  dropout->keep_scale = rate > 0.f ? float(256.0 / (256.0 - steps)) : 1.f;
+  return ffi::Error::Success();
+}
+
+// Dropout: the rate as above; state [..., kDropoutStateWords] uint32 (params.h), checked and read when rate > 0.
+inline ffi::Error ParseDropout(const char* target, ffi::Span<const int64_t> qd, const ffi::Buffer<ffi::U32>& state,
+                               float rate, DropoutParams* dropout) {
+  if (auto e = ParseDropoutRate(target, rate, dropout); e.failure()) return e;
   std::vector<int64_t> want(qd.begin(), qd.end() - 3);
   want.push_back(kDropoutStateWords);
   if (rate > 0.f) {
     if (auto e = CheckShape(target, "dropout_state", state.dimensions(), want); e.failure()) return e;
   }
-  dropout->rate = rate;
-  // floor(rate * 2^32) < 2^32 for rate < 1 in float; double keeps it exact.
-  dropout->threshold = uint32_t(double(rate) * 4294967296.0);
   dropout->state = rate > 0.f ? state.typed_data() : nullptr;
   return ffi::Error::Success();
 }

@@ -160,4 +160,12 @@ NB_MODULE(_jaxflash_cpu, m) {
     const jaxflash::Philox4 r = jaxflash::philox4x32_10(jaxflash::Philox4{{c0, c1, c2, c3}}, k0, k1);
     return nb::make_tuple(r.x[0], r.x[1], r.x[2], r.x[3]);
   }, "The kernels' Philox4x32-10 (counter words c0..c3, key words k0, k1), for known-answer tests.");
+  m.def("dropout_keep16", [](uint32_t k0, uint32_t k1, uint32_t batch, uint32_t head, uint32_t row, uint32_t group,
+                             float rate) {
+    jaxflash::DropoutParams p;
+    if (auto e = jaxflash::ParseDropoutRate("dropout_keep16", rate, &p); e.failure())
+      throw nb::value_error(e.message().c_str());
+    const jaxflash::DropoutDraw d{k0, k1, batch, 0, 0, p.threshold};
+    return jaxflash::dropout_keep16(d, head, row, group);
+  }, "The kernels' 16 keep bits of key columns 16 group .. 16 group + 15 (bit c: column 16 group + c) at `rate`.");
 }

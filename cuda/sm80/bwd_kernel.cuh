@@ -8,7 +8,7 @@
 // Layouts (params.h): q, o, do, dq, dq_accum [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hk, D]; lse, dlse,
 // delta [B, Hq, Sq] float32. Visibility comes from mask.h; rows with LSE = −inf (they see no key) get P = 0,
 // so they contribute nothing and never produce inf or NaN. Softcap multiplies dS by 1 − tanh²; dropout uses
-// P ∘ Z for dV and dP ∘ Z in dS, Z = keep / (1 − rate) redrawn from the forward's counters (dprobs_to_dscores).
+// P ∘ Z for dV and dP ∘ Z in dS, Z = keep · keep_scale redrawn from the forward's counters (dprobs_to_dscores).
 //
 // Kernels, launched in this order by run_bwd (launch_bwd.cuh):
 //   1. preprocess: delta, and dq_accum cleared (atomic mode);
@@ -73,7 +73,9 @@ struct BwdDqTraits : OperandTraits<Element_, kHeadDim_, 64, BwdTileConfig<kHeadD
 // The step both backward kernels take for one (query block, key block) tile: S = Q·Kᵀ recomputed into P
 // (masked, capped, exp against the LSE) in acc_s, and dP = dO·Vᵀ turned into dS in acc_dp. `gemm` is the
 // S/dP GEMM with its fragments and copies bound (bind_gemm_ss); sQ, sK, sdO, sV its partitioned operands.
-template <bool kExtras, int kN, class Gemm, class Acc, class SQ, class SK, class SdO, class SV, class TC, int kRows>
+// kKeepAtoms: how the GEMM's warps meet the dropout draw's 16-column groups (for_each_keep).
+template <bool kExtras, int kN, int kKeepAtoms, class Gemm, class Acc, class SQ, class SK, class SdO, class SV,
+          class TC, int kRows>
 __forceinline__ __device__ void probs_and_dscores(Gemm const& gemm, Acc& acc_s, Acc& acc_dp, SQ const& sQ,
                                                   SK const& sK, SdO const& sdO, SV const& sV, TC const& coords,
                                                   const BwdParams& p, const BatchMask& bm, bool segments,
@@ -92,7 +94,7 @@ __forceinline__ __device__ void probs_and_dscores(Gemm const& gemm, Acc& acc_s, 
   clear(acc_dp);
   gemm(acc_dp, sdO, sV);
   Tensor dp_rc = rowcol(acc_dp);
-  dprobs_to_dscores<kExtras>(dp_rc, s_rc, coords, delta, lse2, extras, head, m0, n0);
+  dprobs_to_dscores<kExtras, kKeepAtoms>(dp_rc, s_rc, coords, delta, lse2, extras, head, m0, n0);
 }
 
 // ---- 2. dK, dV (and dQ by atomics) -------------------------------------------------------------------
@@ -274,9 +276,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
     Tensor acc_s = partition_fragment_C(mma_sdp, typename Tr::TileS{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, typename Tr::TileS{});
-    probs_and_dscores<kExtras, kN>(gemm_sdp, acc_s, acc_dp, at_offset(tSsQ, stage_offset), tSsK,
-                                   at_offset(tSsdO, stage_offset), tSsV, tScS, p, bm, segments, m0, m_end, n0, lse2,
-                                   delta, score_log2, extras, uint32_t(head));
+    // Warps split the key columns too: each atom meets its 16-column group alone.
+    probs_and_dscores<kExtras, kN, 1>(gemm_sdp, acc_s, acc_dp, at_offset(tSsQ, stage_offset), tSsK,
+                                      at_offset(tSsdO, stage_offset), tSsV, tScS, p, bm, segments, m0, m_end, n0,
+                                      lse2, delta, score_log2, extras, uint32_t(head));
 
     Tensor rP = convert_fragment<T>(acc_s);
     Tensor rdS = convert_fragment<T>(acc_dp);
@@ -430,9 +433,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_dq_kernel(const __
 
     Tensor acc_s = partition_fragment_C(mma, typename Tr::TileS{});
     Tensor acc_dp = partition_fragment_C(mma, typename Tr::TileS{});
-    probs_and_dscores<kExtras, kN>(gemm_sdp, acc_s, acc_dp, tSsQ, at_offset(tSsK, stage_offset), tSsdO,
-                                   at_offset(tSsV, stage_offset), tScS, p, bm, segments, qb.m0, qb.m_end, n0, lse2,
-                                   delta, score_log2, extras, uint32_t(qb.head));
+    // Warps split the query rows only: a thread's atoms pair up into 16-column groups.
+    probs_and_dscores<kExtras, kN, 2>(gemm_sdp, acc_s, acc_dp, tSsQ, at_offset(tSsK, stage_offset), tSsdO,
+                                      at_offset(tSsV, stage_offset), tScS, p, bm, segments, qb.m0, qb.m_end, n0,
+                                      lse2, delta, score_log2, extras, uint32_t(qb.head));
 
     Tensor rdS = convert_fragment<T>(acc_dp);
     Tensor tQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));

@@ -5,8 +5,8 @@
 //   lse[b, h, i]  = log Σ_{j visible} exp(scale · q·k)          (natural log; −inf when no j is visible)
 // with hk = h / (Hq / Hk) (GQA/MQA by index). Layouts (params.h): q, o [B, Sq, Hq, D]; k, v [B, Sk, Hk, D];
 // lse [B, Hq, Sq] float32. Visibility comes from mask.h only (through mask_tile.cuh). With a softcap c the
-// scores are c·tanh(scale·q·k / c); with dropout the kept probabilities are scaled by 1 / (1 − rate) before
-// P·V, and the LSE stays that of the undropped softmax. The LSE is the residual the backward pass uses to
+// scores are c·tanh(scale·q·k / c); with dropout the kept probabilities are scaled by keep_scale (philox.h)
+// before P·V, and the LSE stays that of the undropped softmax. The LSE is the residual the backward pass uses to
 // recompute P = exp(score − LSE) without a second softmax.
 //
 // One thread block owns kBlockM query rows of one (b, h) and loops over the visible K/V blocks, last to
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
     Tensor o_rc = rowcol(acc_o);
     softmax.update(s_rc, o_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
     if (dropout) {
-      for_each_keep(c_rc, draw, uint32_t(qb.head), qb.m0, n0, [&](int r, int c, bool keep) {
+      for_each_keep<2>(c_rc, draw, uint32_t(qb.head), qb.m0, n0, [&](int r, int c, bool keep) {
         if (!keep) s_rc(r, c) = 0.f;
       });
     }
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocksPerSm)
   float lse[kRows];
   {
     Tensor o_rc = rowcol(acc_o);
-    softmax.finalize(o_rc, score_scale, dropout ? 1.f / (1.f - p.dropout.rate) : 1.f, lse);
+    softmax.finalize(o_rc, score_scale, dropout ? p.dropout.keep_scale : 1.f, lse);
   }
   Tensor rO = convert_fragment<T>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename Tr::SmemLayoutQ{});

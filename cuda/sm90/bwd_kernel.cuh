@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
   BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
-  extras.dropout = false;  // never here (the handler's rule): the keep-bit draw assumes the mma.sync row layout
+  extras.dropout = false;  // never here (the handler's rule); dprobs_to_dscores compiles no draw (kKeepAtoms 0)
 
   auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
   // Whether a query block needs the per-key mask, decided once for this K/V block: the whole mask's state
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     scores_to_probs(s_t, lse2, score_log2);
     load_stats(ss.delta[stage], delta);
     warpgroup_wait<0>();
-    dprobs_to_dscores<kExtras>(dp_t, s_t, c_t, delta, lse2, extras, uint32_t(head), m0, n0);
+    dprobs_to_dscores<kExtras, 0>(dp_t, s_t, c_t, delta, lse2, extras, uint32_t(head), m0, n0);
     convert_into<T>(acc_s, rP);
     convert_into<T>(acc_dp, rdS);
 

@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       const bool moved = softmax.update_max(s_rc, scale_log2, correction);
       softmax.exponentiate(s_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
       if (dropout) {
-        for_each_keep(c_rc, draw, uint32_t(t.head), t.m0, n0, [&](int r, int c, bool keep) {
+        for_each_keep<2>(c_rc, draw, uint32_t(t.head), t.m0, n0, [&](int r, int c, bool keep) {
           if (!keep) s_rc(r, c) = 0.f;
         });
       }
@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
 
     // ---- epilogue: normalise and write this thread's rows of O (pairs of columns) and LSE ----
     float lse[kRows];
-    softmax.finalize(o_rc, score_scale, dropout ? 1.f / (1.f - p.dropout.rate) : 1.f, lse);
+    softmax.finalize(o_rc, score_scale, dropout ? p.dropout.keep_scale : 1.f, lse);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int row = get<0>(oc_rc(r, 0));
