@@ -191,8 +191,8 @@ def _add_peers():
         pass
 
 
-CHECK_LEN = {"pallas": 384, "ring-zigzag": 384, "ring-contiguous": 384}  # Pallas' mha needs S % 128 == 0; the
-# ring, S % (2 x devices) == 0 (and keys per chunk % 4 for dropout)
+CHECK_LEN = {"pallas": 384, "ring-zigzag": 512, "ring-contiguous": 512}  # Pallas' mha needs S % 128 == 0; the
+# ring, S % (2 x devices) == 0 (and keys per chunk % 16 for dropout: 512 serves up to 16 devices)
 
 
 def supports(impl, kw):
