@@ -47,7 +47,7 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
       dropout_rate, dropout_key: dropout of the attention probabilities inside the kernels, drawn from the JAX
         PRNG key ``dropout_key`` (required when the rate is positive). The kernels draw one byte per element,
         so the rate is rounded to the nearest multiple of 1/256 (``jaxflash.dropout.effective_rate``; 0.1 drops
-        26/256 = 0.1016), which must lie in ``[1/256, 255/256]``: 0 (off) or ``1/512 <= rate < 255.5/256``.
+        26/256 = 0.1016); a positive rate must round to 1/256 .. 255/256 (``1/512 <= rate < 255.5/256``).
         Kept probabilities are scaled by ``1 / (1 - effective_rate)``, so the output's expectation is the
         undropped one; the LSE is that of the undropped softmax. The keep decision of element
         (batch, head, row, column) is a pure function of the key and those indices (Philox4x32-10, see
