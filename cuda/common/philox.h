@@ -86,8 +86,4 @@ JAXFLASH_PHILOX_HD DropoutDraw dropout_draw(const DropoutParams& p, int64_t b) {
   return DropoutDraw{s[0], s[1], s[2], s[3], s[4] >> 4, p.threshold};
 }
 
-JAXFLASH_PHILOX_HD bool dropout_keep(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t j) {
-  return (dropout_keep16(d, h, i, j >> 4) >> (j & 15)) & 1u;
-}
-
 }  // namespace jaxflash
