@@ -105,6 +105,9 @@ DROPOUT_CASES = [  # (Sq, Sk, Hq, Hk, D, mask kind, dtype, rate)
     (301, 301, 2, 1, 256, "causal-segments-lengths-softcap", "bfloat16", 0.2),
     (200, 333, 2, 2, 192, "lengths", "float16", 0.9),
     (130, 130, 2, 2, 96, "softcap-5", "bfloat16", 0.15),
+    # The sm90 backward's transposed draw: GQA, segments, softcap, a partial last key block.
+    (200, 190, 6, 2, 128, "causal-segments-lengths-softcap", "bfloat16", 0.2),
+    (97, 300, 2, 1, 64, "softcap-5", "float16", 0.5),
 ]
 
 

@@ -61,6 +61,20 @@ struct BwdExtras {
       keep_scale = p.dropout.keep_scale;
     }
   }
+
+  // Softcap's factor 1 − t² of a probability of a row whose lse2 is given (1 without softcap).
+  __forceinline__ __device__ float cap_factor(float prob, float row_lse2) const {
+    if (softcap == 0.f) return 1.f;
+    const float t = (log2f(prob) + row_lse2) * t_scale;
+    return prob > 0.f ? 1.f - t * t : 0.f;
+  }
+
+  // One element with dropout: dp -> P ∘ (dP ∘ Z − delta) ∘ (1 − t²), prob -> P ∘ Z.
+  __forceinline__ __device__ void drop(float& dp, float& prob, bool keep, float row_delta, float row_lse2) const {
+    const float p = prob, z = keep ? keep_scale : 0.f;
+    dp = p * fmaf(dp, z, -row_delta) * cap_factor(p, row_lse2);
+    prob = p * z;
+  }
 };
 
 // Raw Q·Kᵀ -> the scores the forward's softmax saw: soft-capped if asked, −inf where the mask hides (kMasked;
@@ -89,23 +103,15 @@ __forceinline__ __device__ void scores_to_probs(TS& s, const float (&lse2)[kRows
 // needs). Z = keep · keep_scale is the forward's dropout, drawn again from the same counters; t is the capped
 // score over the cap, recovered from P itself (log2 P + lse2 = s'·log2 e) instead of holding the scores in
 // registers. Without softcap and dropout this is the plain P ∘ (dP − delta). kKeepAtoms: for_each_keep's
-// kAtomsPerGroup for this accumulator layout, 0 where dropout is not compiled in.
+// kAtomsPerGroup for this accumulator layout, 0 where the caller applies dropout itself (BwdExtras::drop).
 template <bool kExtras, int kKeepAtoms, class TP, class TD, class TC, int kRows>
 __forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP& pr, TC const& coords, const float (&delta)[kRows],
                                                   const float (&lse2)[kRows], const BwdExtras& x, uint32_t head,
                                                   int64_t m0, int64_t n0) {
-  auto cap_factor = [&](int r, float prob) {
-    if (x.softcap == 0.f) return 1.f;
-    const float t = (log2f(prob) + lse2[r]) * x.t_scale;
-    return prob > 0.f ? 1.f - t * t : 0.f;
-  };
   if constexpr (kExtras && kKeepAtoms > 0) {
     if (x.dropout) {
       for_each_keep<kKeepAtoms>(coords, x.draw, head, m0, n0, [&](int r, int c, bool keep) {
-        const float prob = pr(r, c);
-        const float dpz = keep ? dp(r, c) * x.keep_scale : 0.f;
-        dp(r, c) = prob * (dpz - delta[r]) * cap_factor(r, prob);
-        pr(r, c) = keep ? prob * x.keep_scale : 0.f;
+        x.drop(dp(r, c), pr(r, c), keep, delta[r], lse2[r]);
       });
       return;
     }
@@ -114,7 +120,8 @@ __forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP& pr, TC const& coor
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(dp); ++c) dp(r, c) = pr(r, c) * (dp(r, c) - delta[r]) * cap_factor(r, pr(r, c));
+      for (int c = 0; c < size<1>(dp); ++c)
+        dp(r, c) = pr(r, c) * (dp(r, c) - delta[r]) * x.cap_factor(pr(r, c), lse2[r]);
     }
   } else {
     CUTE_UNROLL

@@ -237,4 +237,53 @@ __forceinline__ __device__ void for_each_keep(TC const& coords, const DropoutDra
   }
 }
 
+// The keep bits of a transposed accumulator, keys along its rows and queries along its columns (the sm90
+// backward's Sᵀ = K·Qᵀ: a wgmma m64nN tile of (key, query), each warp 16 keys, one 16-key group), returned as
+// one mask per thread: bit 4n + e + 2r is element (r, 2n + e) of coords' rowcol view, i.e. key row r and
+// query 8n + 2q + e for lane q of its quad. Here a call's words fall on the eight lanes that share q: lane 4g
+// + q holds keys g and g + 8 of the group, whose bytes are g % 2 and 2 + g % 2 of word g / 2 (philox.h). So
+// each lane draws the two calls of its queries 8g + 2q + {0, 1}, decides their 32 bytes at once and packs the
+// decisions into one word (bit 8b + 4e + k: byte b of word k of call e); the eight lanes then swap packed
+// words (seven shuffles) and each keeps the four bits it holds. row0 is the tile's first query, col0 its
+// first key (a multiple of 16). All 32 lanes must call it together.
+template <class TC>
+__forceinline__ __device__ uint32_t keep_bits_transposed(TC const& coords, const DropoutDraw& d, uint32_t head,
+                                                         int64_t row0, int64_t col0) {
+  static_assert(decltype(cute::size<0>(coords))::value == 2 && decltype(cute::size<1>(coords))::value == 16,
+                "one warp's 16 keys by 16 query columns per thread (a 64-query wgmma tile)");
+  const int g = (threadIdx.x >> 2) & 7;
+  const uint32_t query = uint32_t(row0) + uint32_t(cute::get<1>(coords(0, 0))) + 8u * uint32_t(g);
+  const uint32_t group = (uint32_t(col0) + uint32_t(cute::get<0>(coords(0, 0)))) >> 4;
+  // byte >= threshold  <=>  byte + (256 - threshold) carries out of the byte: bit 7 of the carry vector
+  // majority(a, c, (a & 0x7f) + (c & 0x7f)) for every byte of a at once.
+  const uint32_t add = (256u - d.threshold) * 0x01010101u, add_low = add & 0x7f7f7f7fu;
+  uint32_t packed = 0;
+  CUTE_UNROLL
+  for (int e = 0; e < 2; ++e) {
+    const Philox4 w = dropout_words(d, head, query + uint32_t(e), group);
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t a = w.x[k], low = (a & 0x7f7f7f7fu) + add_low;
+      const uint32_t carry = (a & add) | ((a | add) & low);
+      packed |= (carry >> (7 - k - 4 * e)) & (0x01010101u << (k + 4 * e));
+    }
+  }
+  // This lane's bits of a packed word: byte g % 2 (key g) and 2 + g % 2 (key g + 8) of word g / 2, both
+  // calls; the multiply gathers bits 0, 4, 16, 20 into bits 28..31 with no carries in between.
+  const int shift = 8 * (g & 1) + (g >> 1);
+  uint32_t mask = 0;
+  CUTE_UNROLL
+  for (int j = 0; j < 8; ++j) {  // from lane g ^ j: the queries of column pair n = g ^ j
+    const uint32_t got = j == 0 ? packed : __shfl_xor_sync(0xffffffffu, packed, 4 * j);
+    const uint32_t nibble = (((got >> shift) & 0x00110011u) * 0x12004800u) >> 28;
+    mask |= nibble << (4 * (g ^ j));
+  }
+  return mask;
+}
+
+// Whether element (r, c) of keep_bits_transposed's tile is kept.
+__forceinline__ __device__ bool kept_transposed(uint32_t mask, int r, int c) {
+  return (mask >> (4 * (c >> 1) + (c & 1) + 2 * r)) & 1u;
+}
+
 }  // namespace jaxflash

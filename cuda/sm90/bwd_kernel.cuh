@@ -12,7 +12,9 @@
 //                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys.
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
 //                   into the fp32 dq_accum with a TMA reduce-add.
-// Dropout and deterministic mode are not compiled here: the handler runs the sm80 backward for them.
+// Dropout redraws the forward's keep bits for the next query block while this block's dK GEMM runs
+// (keep_bits_transposed: one 32-bit mask per thread). Deterministic mode is not compiled here: the handler
+// runs the sm80 backward for it.
 // Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
 // but 0·NaN is not, so those rows of K, V, Q and dO are zeroed in shared memory once landed.
 #pragma once
@@ -235,8 +237,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
 
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
-  BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
-  extras.dropout = false;  // never here (the handler's rule); dprobs_to_dscores compiles no draw (kKeepAtoms 0)
+  const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
+  const bool dropout = kExtras && extras.dropout;
+  // The keep bits of query block `it` of this K/V block, for every score this thread holds.
+  auto draw_keep = [&](int64_t it) {
+    return keep_bits_transposed(c_kq, extras.draw, uint32_t(iter_head(it)), iter_m_block(it) * kM, n0);
+  };
+  uint32_t keep = dropout && n_iters > 0 ? draw_keep(0) : 0u;
 
   auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
   // Whether a query block needs the per-key mask, decided once for this K/V block: the whole mask's state
@@ -288,7 +295,25 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     scores_to_probs(s_t, lse2, score_log2);
     load_stats(ss.delta[stage], delta);
     warpgroup_wait<0>();
-    dprobs_to_dscores<kExtras, 0>(dp_t, s_t, c_t, delta, lse2, extras, uint32_t(head), m0, n0);
+    if (dropout) {
+      // Softcap's factor only where asked: the loop without it is the common case.
+      auto drop_all = [&](auto with_cap) {
+        CUTE_UNROLL
+        for (int c = 0; c < kQCols; ++c) {
+          CUTE_UNROLL
+          for (int r = 0; r < size<1>(s_t); ++r) {
+            const float prob = s_t(c, r), z = kept_transposed(keep, r, c) ? extras.keep_scale : 0.f;
+            const float ds = prob * fmaf(dp_t(c, r), z, -delta[c]);
+            dp_t(c, r) = decltype(with_cap)::value ? ds * extras.cap_factor(prob, lse2[c]) : ds;
+            s_t(c, r) = prob * z;
+          }
+        }
+      };
+      if (extras.softcap > 0.f) drop_all(std::true_type{});
+      else drop_all(std::false_type{});
+    } else {
+      dprobs_to_dscores<kExtras, 0>(dp_t, s_t, c_t, delta, lse2, extras, uint32_t(head), m0, n0);
+    }
     convert_into<T>(acc_s, rP);
     convert_into<T>(acc_dp, rdS);
 
@@ -345,6 +370,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       copy(kp.tma_dq, tDqs, tDqg);
       tma_store_arrive();
     }
+    if (dropout && it + 1 < n_iters) keep = draw_keep(it + 1);  // under the dK GEMM
     warpgroup_wait<0>();
     warpgroup_fence_operand(rdS);
     if (releaser) ClusterBarrier::arrive(&ss.q_empty[stage]);

@@ -15,8 +15,8 @@ namespace jaxflash::sm90 {
 template <DType kDType, int kHeadDim>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream, int device);
 
-// The backward without dropout and deterministic mode (cudaErrorNotSupported for those: the handler runs
-// the sm80 family's backward for them).
+// The backward without deterministic mode (cudaErrorNotSupported for it: the handler runs the sm80
+// family's backward then).
 template <DType kDType, int kHeadDim>
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device);
 

@@ -45,7 +45,7 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
 
 template <DType kDType, int kHeadDim>
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
-  if (p.deterministic || p.dropout.rate > 0.f) return cudaErrorNotSupported;  // the sm80 family's (handler)
+  if (p.deterministic) return cudaErrorNotSupported;  // the sm80 family's (handler)
   using T = ElementOf<kDType>;
   using Tr = BwdTraits<T, kHeadDim>;
   cudaError_t err;
