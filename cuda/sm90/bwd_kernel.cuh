@@ -12,7 +12,7 @@
 //                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys.
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
 //                   into the fp32 dq_accum with a TMA reduce-add.
-// Dropout redraws the forward's keep bits for the next query block while this block's dK GEMM runs
+// Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
 // (keep_bits_transposed: one 32-bit mask per thread). Deterministic mode is not compiled here: the handler
 // runs the sm80 backward for it.
 // Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
@@ -239,11 +239,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
   const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
   const bool dropout = kExtras && extras.dropout;
-  // The keep bits of query block `it` of this K/V block, for every score this thread holds.
-  auto draw_keep = [&](int64_t it) {
-    return keep_bits_transposed(c_kq, extras.draw, uint32_t(iter_head(it)), iter_m_block(it) * kM, n0);
-  };
-  uint32_t keep = dropout && n_iters > 0 ? draw_keep(0) : 0u;
 
   auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
   // Whether a query block needs the per-key mask, decided once for this K/V block: the whole mask's state
@@ -280,6 +275,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     }
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
+    // Dropout's keep bits of this block while the two GEMMs run: one 32-bit mask per thread.
+    const uint32_t keep = dropout ? keep_bits_transposed(c_kq, extras.draw, uint32_t(head), m0, n0) : 0u;
     // Each stat is read from shared memory where it is used, to keep registers for the accumulators.
     float lse2[kQCols], delta[kQCols];
     auto load_stats = [&](const float* from, float (&to)[kQCols]) {
@@ -370,7 +367,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       copy(kp.tma_dq, tDqs, tDqg);
       tma_store_arrive();
     }
-    if (dropout && it + 1 < n_iters) keep = draw_keep(it + 1);  // under the dK GEMM
     warpgroup_wait<0>();
     warpgroup_fence_operand(rdS);
     if (releaser) ClusterBarrier::arrive(&ss.q_empty[stage]);
