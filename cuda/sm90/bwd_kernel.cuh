@@ -58,7 +58,8 @@ struct BwdSharedStorage {
   // Per stage, the stats of its query rows, written by the producer warp with Q (lse2) and with dO (delta).
   float lse2[Tr::kStages][Tr::kBlockM];
   float delta[Tr::kStages][Tr::kBlockM];
-  int scratch[4];  // narrow_by_ids
+  int scratch[4];     // narrow_by_ids
+  DropoutDraw draw;  // read where each block's keep bits are drawn rather than held in registers
 };
 
 // A rowcol view with its two modes swapped: (key, query) accumulators seen as (query, key), the orientation
@@ -105,6 +106,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   auto parity_of = [](int64_t it) { return uint32_t((it / kStages) & 1); };
 
   if (tid == 0) {
+    if (kExtras && p.dropout.rate > 0.f) ss.draw = dropout_draw(p.dropout, batch);
     ClusterTransactionBarrier::init(&ss.kv_full, 1);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
@@ -276,7 +278,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
     // Dropout's keep bits of this block while the two GEMMs run: one 32-bit mask per thread.
-    const uint32_t keep = dropout ? keep_bits_transposed(c_kq, extras.draw, uint32_t(head), m0, n0) : 0u;
+    const uint32_t keep = dropout ? keep_bits_transposed(c_kq, ss.draw, uint32_t(head), m0, n0) : 0u;
     // Each stat is read from shared memory where it is used, to keep registers for the accumulators.
     float lse2[kQCols], delta[kQCols];
     auto load_stats = [&](const float* from, float (&to)[kQCols]) {
@@ -292,6 +294,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     scores_to_probs(s_t, lse2, score_log2);
     load_stats(ss.delta[stage], delta);
     warpgroup_wait<0>();
+    // Softcap's gradient needs lse2 again: read anew after the wait (a memory clobber), so the registers of
+    // the first read are free while dPᵀ lands instead of live across it.
+    if constexpr (kExtras) load_stats(ss.lse2[stage], lse2);
     if (dropout) {
       // Softcap's factor only where asked: the loop without it is the common case.
       auto drop_all = [&](auto with_cap) {
