@@ -69,10 +69,13 @@ struct BwdExtras {
     return prob > 0.f ? 1.f - t * t : 0.f;
   }
 
-  // One element with dropout: dp -> P ∘ (dP ∘ Z − delta) ∘ (1 − t²), prob -> P ∘ Z.
+  // One element with dropout: dp -> P ∘ (dP ∘ Z − delta) ∘ (1 − t²), prob -> P ∘ Z. kCap = false leaves
+  // softcap's factor out (a caller that has already checked that there is none).
+  template <bool kCap = true>
   __forceinline__ __device__ void drop(float& dp, float& prob, bool keep, float row_delta, float row_lse2) const {
     const float p = prob, z = keep ? keep_scale : 0.f;
-    dp = p * fmaf(dp, z, -row_delta) * cap_factor(p, row_lse2);
+    const float ds = p * fmaf(dp, z, -row_delta);
+    dp = kCap ? ds * cap_factor(p, row_lse2) : ds;
     prob = p * z;
   }
 };

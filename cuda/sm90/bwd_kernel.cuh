@@ -303,12 +303,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
         CUTE_UNROLL
         for (int c = 0; c < kQCols; ++c) {
           CUTE_UNROLL
-          for (int r = 0; r < size<1>(s_t); ++r) {
-            const float prob = s_t(c, r), z = kept_transposed(keep, r, c) ? extras.keep_scale : 0.f;
-            const float ds = prob * fmaf(dp_t(c, r), z, -delta[c]);
-            dp_t(c, r) = decltype(with_cap)::value ? ds * extras.cap_factor(prob, lse2[c]) : ds;
-            s_t(c, r) = prob * z;
-          }
+          for (int r = 0; r < size<1>(s_t); ++r)
+            extras.drop<decltype(with_cap)::value>(dp_t(c, r), s_t(c, r), kept_transposed(keep, r, c), delta[c],
+                                                    lse2[c]);
         }
       };
       if (extras.softcap > 0.f) drop_all(std::true_type{});
