@@ -58,7 +58,7 @@ struct BwdSharedStorage {
   // Per stage, the stats of its query rows, written by the producer warp with Q (lse2) and with dO (delta).
   float lse2[Tr::kStages][Tr::kBlockM];
   float delta[Tr::kStages][Tr::kBlockM];
-  int scratch[4];     // narrow_by_ids
+  int scratch[4];    // narrow_by_ids
   DropoutDraw draw;  // read where each block's keep bits are drawn rather than held in registers
 };
 
