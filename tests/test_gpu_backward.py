@@ -107,14 +107,27 @@ def test_backward_deterministic_bitwise():
                 np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
+def test_backward_deterministic_bitwise_masks():
+    """deterministic=True with a window, lengths and GQA (blocks that visit only some query blocks wait only
+    for the blocks before them that visit those): bitwise identical over repeated runs."""
+    q, k, v, do = make_inputs(15, (3,), 1100, 1300, 6, 2, 64, jnp.bfloat16)
+    kw = dict(window=(300, 40), q_lengths=jnp.array([1100, 700, 0]), kv_lengths=jnp.array([1300, 513, 90]))
+    f = jax.jit(lambda q, k, v, do: jax.vjp(lambda q, k, v: jaxflash.attention(
+        q, k, v, deterministic=True, backend="cuda", **kw), q, k, v)[1](do))
+    first = jax.block_until_ready(f(q, k, v, do))
+    for _ in range(3):
+        for a, b in zip(first, jax.block_until_ready(f(q, k, v, do))):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
 def test_backward_deterministic_matches_atomic():
-    """The two dQ paths compute the same function (dk, dv bitwise; dq to fp32 summation order)."""
+    """The two dQ paths compute the same function, to fp32 summation order (the sm90 family's deterministic
+    kernel also visits the query blocks in another order, so dk and dv may differ in the last bit too)."""
     q, k, v, do = make_inputs(12, (1,), 777, 900, 4, 1, 64, jnp.float16)
     a = _run(q, k, v, do, True, False)
     b = _run(q, k, v, do, True, True)
-    np.testing.assert_array_equal(np.asarray(a[1]).view(np.uint16), np.asarray(b[1]).view(np.uint16))
-    np.testing.assert_array_equal(np.asarray(a[2]).view(np.uint16), np.asarray(b[2]).view(np.uint16))
-    np.testing.assert_allclose(f64(a[0]), f64(b[0]), atol=2e-3, rtol=0)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(f64(x), f64(y), atol=2e-3, rtol=2e-3)
 
 
 def test_grad_under_jit_and_vmap():

@@ -207,12 +207,17 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const float* 
 // outer, query blocks inner. K/V blocks of one head are adjacent in launch order (they read the same Q and
 // dO, which stay in L2), and each starts at a different query block (rotation by n_block), so the blocks
 // running side by side add their dQ into different rows of dq_accum instead of contending for them.
+// Deterministic mode orders the additions into each query block by n_block instead: every block visits its
+// query blocks in the same order (no rotation, else a block would wait for a predecessor's later step), and
+// the K/V blocks of one head lie batch x heads_k apart in launch order, so that the blocks resident together
+// come from many heads (short chains of waiting) and each waits only for one launched before it.
 struct KvBlockWork {
   int64_t n_block, batch, head_k, group;
   int64_t n0, n_end, n_valid_end;  // keys [n0, n_end); those at or past n_valid_end (kv_len) are seen by nobody
   BatchMask bm;
   bool segments;  // segment ids given (and compiled in)
   int64_t m_block_min, n_m, n_iters, head0, m_shift;
+  int64_t pred_m_begin, pred_m_end;  // deterministic mode: the query blocks that block n_block - 1 visits
 
   __device__ int64_t head(int64_t it) const { return head0 + it / n_m; }
   __device__ int64_t m_block(int64_t it) const {
@@ -223,13 +228,13 @@ struct KvBlockWork {
 
 // Every thread of the block calls it (segment ids narrow the rows with the whole block's help); `scratch` is
 // 4 ints of shared memory, free again on return.
-template <int kM, int kN, int kThreads, bool kExtras>
+template <int kM, int kN, int kThreads, bool kExtras, bool kOrdered>
 __device__ KvBlockWork kv_block_work(const BwdParams& p, int* scratch) {
   const AttnDims& dims = p.dims;
   KvBlockWork w;
-  const int64_t num_n_blocks = (dims.seqlen_k + kN - 1) / kN;
-  w.n_block = blockIdx.x % num_n_blocks;
-  const int64_t bh = blockIdx.x / num_n_blocks;
+  const int64_t num_n_blocks = (dims.seqlen_k + kN - 1) / kN, num_bh = dims.batch * dims.heads_k;
+  w.n_block = kOrdered ? blockIdx.x / num_bh : blockIdx.x % num_n_blocks;
+  const int64_t bh = kOrdered ? blockIdx.x % num_bh : blockIdx.x / num_n_blocks;
   w.head_k = bh % dims.heads_k;
   w.batch = bh / dims.heads_k;
   w.group = dims.heads_q / dims.heads_k;
@@ -247,7 +252,17 @@ __device__ KvBlockWork kv_block_work(const BwdParams& p, int* scratch) {
   w.n_m = m_block_max - w.m_block_min;
   w.n_iters = w.n_m * w.group;
   w.head0 = w.head_k * w.group;
-  w.m_shift = w.n_m > 0 ? w.n_block % w.n_m : 0;
+  w.m_shift = w.n_m > 0 && !kOrdered ? w.n_block % w.n_m : 0;
+  // The same rule as above for the previous K/V block (no segment ids: their narrowing needs the whole
+  // block). With lengths, causal and windows, the K/V blocks that visit a query block are consecutive.
+  w.pred_m_begin = w.pred_m_end = 0;
+  if (kOrdered && w.n_block > 0) {
+    visible_query_range(w.bm, w.n0 - kN, w.n0, &row_begin, &row_end);
+    if (row_end > row_begin) {
+      w.pred_m_begin = row_begin / kM;
+      w.pred_m_end = (row_end + kM - 1) / kM;
+    }
+  }
   return w;
 }
 

@@ -11,10 +11,16 @@
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
 //                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys.
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
-//                   into the fp32 dq_accum with a TMA reduce-add.
+//                   into the fp32 dq_accum with a TMA reduce-add (deterministic mode: the dQ warp does).
+//   dQ warp:        deterministic mode only (the producer warpgroup's second warp), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
-// (keep_bits_transposed: one 32-bit mask per thread). Deterministic mode is not compiled here: the handler
-// runs the sm80 backward for it.
+// (keep_bits_transposed: one 32-bit mask per thread).
+// Deterministic mode adds into each query block's rows of dq_accum in n_block order: a turn counter per (batch,
+// query head, query block, consumer) says which K/V block adds next. The dQ warp takes each staged tile, waits
+// for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits the
+// consumers no longer make (when they waited themselves, the backward took +62 % rather than +30 %).
+// kv_block_work orders the blocks so that a block waits only for its predecessor, launched before it. Segment
+// ids are not taken then (the handler runs the sm80 backward).
 // Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
 // but 0·NaN is not, so those rows of K, V, Q and dO are zeroed in shared memory once landed.
 #pragma once
@@ -69,6 +75,28 @@ __forceinline__ __device__ auto transposed(TensorT&& t) {
   return make_tensor(t.data(), select<1, 0>(t.layout()));
 }
 
+// Deterministic mode's turn counters: ints in dq's buffer, unused until the convert step writes dq, zeroed by
+// run_bwd before the main kernel. Each holds the n_block whose reduce-add is next.
+__forceinline__ __device__ void wait_turn(const int* turn, int n_block) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(turn) : "memory");
+  } while (v != n_block);
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the reduce-add (async proxy) comes after
+}
+
+// Waits until at most kPending of this thread's bulk groups are still running: performed, not only read from
+// shared memory (tma_store_wait), so that passing the turn orders the adds themselves.
+template <int kPending>
+__forceinline__ __device__ void bulk_wait_performed() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+__forceinline__ __device__ void pass_turn(int* turn, int next) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(turn), "r"(next) : "memory");
+}
+
 // Zeroes rows [row_begin, row_end) of a (row, d) tile in shared memory, 16-byte chunks (the swizzle keeps each
 // chunk whole), `threads` threads from `tid`; the caller fences and synchronises.
 template <int kD, class T, class TensorS>
@@ -79,13 +107,15 @@ __forceinline__ __device__ void zero_rows(TensorS&& s, int row_begin, int row_en
         make_uint4(0, 0, 0, 0);
 }
 
-template <class Tr, bool kExtras>
+template <class Tr, bool kExtras, bool kOrdered>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
   constexpr int kMmaThreads = Tr::kMmaThreads;
   // Named barriers of the two consumers (the forward's ids 0 and 1 are not used here).
-  constexpr uint32_t kBarDs = 2, kBarZeroed = 3, kBarDqFull = 4;  // the last one + wg
+  constexpr uint32_t kBarDs = 2, kBarZeroed = 3, kBarDqFull = 4, kBarDqEmpty = 6;  // the last two + wg
+  constexpr int kWG = Tr::kMmaWarpGroups;
+  constexpr uint32_t kDqSyncThreads = 128 + 32;  // a consumer and the dQ warp (deterministic mode)
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& ss = *reinterpret_cast<BwdSharedStorage<Tr>*>(smem_raw);
@@ -95,7 +125,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
 
-  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kExtras>(p, ss.scratch);
+  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kExtras, kOrdered>(p, ss.scratch);
   const int64_t n_block = w.n_block, batch = w.batch, head_k = w.head_k;
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
@@ -129,9 +159,60 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdSt{});
 
+  // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum (rows past the tensor are dropped
+  // by TMA; rows past q_len hold zeros).
+  auto dq_staging = [&](int g, int b) {
+    return make_tensor(make_smem_ptr(ss.dq.data() + (2 * g + b) * cosize_v<typename Tr::SmemLayoutDq>),
+                       typename Tr::SmemLayoutDq{});
+  };
+  auto reduce_add_dq = [&](int g, int b, int64_t head, int64_t m0) {
+    Tensor mDq = kp.tma_dq.get_tma_tensor(
+        make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
+    const int row0 = Tr::kDqSplitRows ? g * Tr::kDqRows : 0, col0 = Tr::kDqSplitRows ? 0 : g * Tr::kDqCols;
+    Tensor gDq = local_tile(mDq(_, _, int32_t(head), int32_t(batch)), typename Tr::TileDq{},
+                            make_coord(int32_t((m0 + row0) / Tr::kDqRows), col0 / Tr::kDqCols));
+    auto [tDqg, tDqs] = tma_partition(kp.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(dq_staging(g, b)),
+                                      group_modes<0, 2>(gDq));
+    copy(kp.tma_dq, tDqs, tDqg);
+    tma_store_arrive();
+  };
+
   if (warp_group == 0) {
     // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (kOrdered && tid / 32 == 1 && n_iters > 0) {
+      // ---- dQ warp (deterministic mode): per query block, each consumer's staged tile in turn order ----
+      const int64_t m_blocks = (seqlen_q + kM - 1) / kM;
+      auto turn = [&](int64_t it, int g) {
+        const int64_t row = (batch * dims.heads_q + iter_head(it)) * m_blocks + iter_m_block(it);
+        return static_cast<int*>(p.dq) + row * kWG + g;
+      };
+      const bool leader = tid == 32;
+      for (int64_t it = 0; it < n_iters; ++it) {
+        const int64_t m_block = iter_m_block(it);
+        const bool waits = w.pred_m_begin <= m_block && m_block < w.pred_m_end;  // the previous block adds first
+        for (int g = 0; g < kWG; ++g) {
+          NamedBarrier::sync(kDqSyncThreads, kBarDqFull + g);
+          if (leader) {
+            if (waits) wait_turn(turn(it, g), int(n_block));
+            reduce_add_dq(g, int(it & 1), iter_head(it), m_block * kM);
+          }
+        }
+        if (leader && it > 0) {  // the previous block's adds have completed: their turns pass on
+          bulk_wait_performed<kWG>();
+          for (int g = 0; g < kWG; ++g) pass_turn(turn(it - 1, g), int(n_block) + 1);
+        }
+        __syncwarp();
+        // Its staging tiles (the previous block's) are free for the consumers' next block.
+        if (it + 1 < n_iters)
+          for (int g = 0; g < kWG; ++g) NamedBarrier::arrive(kDqSyncThreads, kBarDqEmpty + g);
+      }
+      if (leader) {
+        bulk_wait_performed<0>();
+        for (int g = 0; g < kWG; ++g) pass_turn(turn(n_iters - 1, g), int(n_block) + 1);
+      }
+      return;
+    }
     if (tid >= 32 || n_iters == 0) return;
     const int lane = tid;
     auto gmem_shape = [&](int64_t rows, int64_t heads) {
@@ -229,14 +310,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   constexpr int kQCols = decltype(size<0>(c_t))::value;
   Tensor dq_rc = rowcol(acc_dq);
   Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
-  // This warpgroup's two dQ staging tiles and where they lie in the (kBlockM, d) tile.
-  auto dq_staging = [&](int b) {
-    return make_tensor(make_smem_ptr(ss.dq.data() + (2 * wg + b) * cosize_v<typename Tr::SmemLayoutDq>),
-                       typename Tr::SmemLayoutDq{});
-  };
+  // Where this warpgroup's dQ staging tile lies in the (kBlockM, d) tile.
   const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
-  Tensor mDq = kp.tma_dq.get_tma_tensor(
-      make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
 
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
   const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
@@ -334,7 +409,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_fence_operand(rP);
     wgmma</*kZeroInit=*/false>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), acc_dv);
     // The reduce-add that read this block's dQ staging tile two blocks ago is done before anyone passes.
-    if (releaser) tma_store_wait<1>();
+    if (!kOrdered && releaser) tma_store_wait<1>();
     sync_consumers(kBarDs);  // both halves of dS written
     wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
     warpgroup_fence_operand(rdS);
@@ -343,9 +418,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_wait<1>();  // dV and dQ landed; dK still running
     warpgroup_fence_operand(rP);
     if (releaser) ClusterBarrier::arrive(&ss.do_empty[stage]);
-    // dQ into this block's staging tile, then added into dq_accum (rows past the tensor are dropped by TMA;
-    // rows past q_len hold zeros).
-    Tensor sDq = dq_staging(buf);
+    // dQ into this block's staging tile (deterministic mode: once the dQ warp has let it go).
+    if (kOrdered && it > 0) NamedBarrier::sync(kDqSyncThreads, kBarDqEmpty + wg);
+    Tensor sDq = dq_staging(wg, buf);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(dq_rc); ++r) {
       int row = get<0>(dq_c_rc(r, 0)) - dq_row0;
@@ -360,21 +435,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       }
     }
     cutlass::arch::fence_view_async_shared();
-    NamedBarrier::sync(128, kBarDqFull + wg);
-    if (releaser) {
-      Tensor gDq = local_tile(mDq(_, _, int32_t(head), int32_t(batch)), typename Tr::TileDq{},
-                              make_coord(int32_t((m0 + dq_row0) / Tr::kDqRows), dq_col0 / Tr::kDqCols));
-      auto [tDqg, tDqs] =
-          tma_partition(kp.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sDq), group_modes<0, 2>(gDq));
-      copy(kp.tma_dq, tDqs, tDqg);
-      tma_store_arrive();
+    if constexpr (kOrdered) {
+      NamedBarrier::arrive(kDqSyncThreads, kBarDqFull + wg);
+    } else {
+      NamedBarrier::sync(128, kBarDqFull + wg);
+      if (releaser) reduce_add_dq(wg, buf, head, m0);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(rdS);
     if (releaser) ClusterBarrier::arrive(&ss.q_empty[stage]);
   }
 
-  if (releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
+  if (!kOrdered && releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
 
   // ---- epilogue: dK = scale · dK; this thread's pairs of columns of dK and dV ----
   const int64_t k_row_stride = dims.heads_k * kD;

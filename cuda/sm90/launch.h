@@ -15,8 +15,8 @@ namespace jaxflash::sm90 {
 template <DType kDType, int kHeadDim>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream, int device);
 
-// The backward without deterministic mode (cudaErrorNotSupported for it: the handler runs the sm80
-// family's backward then).
+// The backward; deterministic mode with segment ids gives cudaErrorNotSupported (the handler runs the sm80
+// family's backward for it). Uses dq's buffer as scratch before writing it.
 template <DType kDType, int kHeadDim>
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device);
 

@@ -15,15 +15,20 @@
 
 namespace jaxflash::sm90 {
 
-template <class Tr, bool kExtras>
+template <class Tr, bool kExtras, bool kOrdered>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device) {
-  constexpr auto kKernel = &flash_bwd_kernel<Tr, kExtras>;
+  constexpr auto kKernel = &flash_bwd_kernel<Tr, kExtras, kOrdered>;
   constexpr int kSmemBytes = int(sizeof(BwdSharedStorage<Tr>));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
   if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
   const AttnDims& d = p.dims;
   const int64_t blocks = (d.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * d.batch * d.heads_k;
   if (!grid_fits(blocks)) return cudaErrorInvalidConfiguration;
+  if (kOrdered) {  // the turn counters (bwd_kernel.cuh): 8 bytes per 64 rows of dq
+    const size_t turns = size_t(d.batch * d.heads_q * ((d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM)) *
+                         Tr::kMmaWarpGroups;
+    if (cudaError_t err = cudaMemsetAsync(p.dq, 0, turns * sizeof(int), stream); err != cudaSuccess) return err;
+  }
   const auto q_layout = take<0, 2>(typename Tr::SmemLayoutQ{});
   const BwdKernelParams<Tr> kp{
       p,
@@ -45,12 +50,17 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
 
 template <DType kDType, int kHeadDim>
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
-  if (p.deterministic) return cudaErrorNotSupported;  // the sm80 family's (handler)
+  // Deterministic with segment ids: the sm80 family's (the handler's choice).
+  if (p.deterministic && p.mask.q_segment_ids != nullptr) return cudaErrorNotSupported;
   using T = ElementOf<kDType>;
   using Tr = BwdTraits<T, kHeadDim>;
   cudaError_t err;
   if ((err = launch_bwd_preprocess<T, kHeadDim>(p, /*clear_dq_accum=*/true, stream)) != cudaSuccess) return err;
-  err = with_extras(p, [&](auto extras) { return launch_bwd_main<Tr, decltype(extras)::value>(p, stream, device); });
+  err = with_extras(p, [&](auto extras) {
+    constexpr bool kExtras = decltype(extras)::value;
+    return p.deterministic ? launch_bwd_main<Tr, kExtras, true>(p, stream, device)
+                           : launch_bwd_main<Tr, kExtras, false>(p, stream, device);
+  });
   if (err != cudaSuccess) return err;
   return launch_convert_dq<T, kHeadDim>(p, stream, device);
 }
