@@ -80,8 +80,14 @@ def test_sm90_backward_kernels_use_wgmma_tma_and_setmaxnreg():
 
     functions = _sass_by_function(_jaxflash_cuda.__file__)
     kernels = {n: b for n, b in functions.items() if n.startswith("_ZN8jaxflash4sm9016flash_bwd_kernel")}
-    assert len(kernels) == 2 * len(configs), sorted(kernels)
+    # Four variants per configuration: with and without the extras, each also for deterministic=True (the
+    # template's last flag: ...Lb0ELb1EE... in the mangled name).
+    ordered = [n for n in kernels if re.search(r"Lb[01]ELb1EEEv", n)]
+    assert len(kernels) == 4 * len(configs) and len(ordered) == 2 * len(configs), sorted(kernels)
     for name, body in kernels.items():
+        assert "UTMAREDG" in body, f"{name}: no TMA reduce-add of dQ"
+        if name in ordered:  # the turn counters: an acquire load (the wait) and a release store (the pass)
+            assert "LDG.E.STRONG.GPU" in body and "STG.E.STRONG.GPU" in body, f"{name}: no turn counters"
         # Sᵀ, dPᵀ and dQ with both operands in shared memory; dV and dK with Pᵀ, dSᵀ from registers.
         assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, gdesc\[", body), f"{name}: no SS wgmma"
         assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc\[", body), \
