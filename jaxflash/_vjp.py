@@ -21,7 +21,7 @@ class Config(NamedTuple):
     segment_ids: bool     # the segment-id operands are meaningful
     lengths: bool         # the length operands are meaningful
     dropout_rate: float   # 0: off
-    deterministic: bool   # backward without atomics: bitwise-reproducible gradients
+    deterministic: bool   # backward summing dQ in a fixed order: bitwise-reproducible gradients
     backend: str          # "cpu" or "cuda": the kernels XLA will run
 
 

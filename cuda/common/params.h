@@ -94,7 +94,7 @@ struct BwdParams {
   float softcap = 0.0f;
   MaskParams mask;
   DropoutParams dropout;
-  bool deterministic = false;  // no atomics: bitwise-reproducible gradients (the CPU kernel always is)
+  bool deterministic = false;  // dQ summed in a fixed order: bitwise-reproducible gradients (CPU: always)
 };
 
 // A paged KV cache: FwdParams::k and ::v point at caches [num_pages, page_size, heads_k, head_dim], and key t

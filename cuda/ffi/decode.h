@@ -31,7 +31,7 @@ struct Options {
   bool segment_ids;      // the segment-id operands are meaningful
   bool lengths;          // the length operands are meaningful
   float dropout_rate;    // 0: off
-  bool deterministic;    // backward without atomics (the forward ignores it)
+  bool deterministic;    // backward summing dQ in a fixed order (the forward ignores it)
 };
 
 }  // namespace jaxflash
