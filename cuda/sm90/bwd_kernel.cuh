@@ -392,16 +392,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     convert_into<T>(acc_dp, rdS);
 
     // dS to shared memory: a thread's two adjacent queries of one key are adjacent there (query-contiguous).
+    // Its pairs of one key sit 8 queries (16 bytes) apart in one 128-byte swizzled row, so pair j lies at the
+    // first pair's address with bits 4-6 XOR j: one address per key instead of one per pair.
+    static_assert(Tr::kBlockM == 64, "a key's dS pairs must lie in one 128-byte swizzle row");
     Tensor rdS_rc = rowcol(rdS);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(rdS_rc); ++r) {
       int key = get<0>(c_kq(r, 0));
       asm volatile("" : "+r"(key));  // addresses recomputed here, not hoisted into registers
+      const uint32_t addr0 = cast_smem_ptr_to_uint(&sdSt(key, get<1>(c_kq(r, 0)), buf));
       CUTE_UNROLL
       for (int c = 0; c < size<1>(rdS_rc); c += 2) {
-        const uint32_t addr = cast_smem_ptr_to_uint(&sdSt(key, get<1>(c_kq(r, c)), buf));
         const uint32_t pair = *reinterpret_cast<const uint32_t*>(&rdS_rc(r, c));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pair));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr0 ^ uint32_t((c / 2) << 4)), "r"(pair));
       }
     }
     cutlass::arch::fence_view_async_shared();
@@ -427,10 +430,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       // Opaque to the compiler: the swizzled addresses are recomputed here rather than hoisted out of the
       // loop into registers that would be spilled.
       asm volatile("" : "+r"(row));
+      // (c, c + 1) are adjacent columns, adjacent in sDq. Pairs 8 columns (32 bytes) apart: four share a
+      // 128-byte swizzled row, where pair j lies at the first one's address with bits 5-6 XOR j.
+      uint32_t addr0 = 0;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(dq_rc); c += 2) {  // (c, c + 1) are adjacent columns, adjacent in sDq
-        const uint32_t addr = cast_smem_ptr_to_uint(&sDq(row, get<1>(dq_c_rc(r, c)) - dq_col0));
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(float(dq_rc(r, c))),
+      for (int c = 0; c < size<1>(dq_rc); c += 2) {
+        const int j = c / 2 % 4;
+        if (j == 0) addr0 = cast_smem_ptr_to_uint(&sDq(row, get<1>(dq_c_rc(r, c)) - dq_col0));
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr0 ^ uint32_t(j << 5)), "f"(float(dq_rc(r, c))),
                      "f"(float(dq_rc(r, c + 1))));
       }
     }
