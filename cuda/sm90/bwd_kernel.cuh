@@ -431,14 +431,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       // loop into registers that would be spilled.
       asm volatile("" : "+r"(row));
       // (c, c + 1) are adjacent columns, adjacent in sDq. Pairs 8 columns (32 bytes) apart: four share a
-      // 128-byte swizzled row, where pair j lies at the first one's address with bits 5-6 XOR j.
+      // 128-byte swizzled row, where pair j lies at the first one's address with bits 5-6 XOR j. The swizzle
+      // puts rows 2i and 2i + 1 on the same banks, and a half-warp's 64-bit stores cover four rows: odd rows
+      // store their pairs in the order j ^ 2, so each half-warp fills all 32 banks once.
+      const bool odd = row & 1;
       uint32_t addr0 = 0;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(dq_rc); c += 2) {
         const int j = c / 2 % 4;
-        if (j == 0) addr0 = cast_smem_ptr_to_uint(&sDq(row, get<1>(dq_c_rc(r, c)) - dq_col0));
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr0 ^ uint32_t(j << 5)), "f"(float(dq_rc(r, c))),
-                     "f"(float(dq_rc(r, c + 1))));
+        if (j == 0) addr0 = cast_smem_ptr_to_uint(&sDq(row, get<1>(dq_c_rc(r, c)) - dq_col0)) ^ (odd ? 2u << 5 : 0u);
+        const float lo = odd ? dq_rc(r, c ^ 4) : dq_rc(r, c), hi = odd ? dq_rc(r, (c ^ 4) + 1) : dq_rc(r, c + 1);
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr0 ^ uint32_t(j << 5)), "f"(lo), "f"(hi));
       }
     }
     cutlass::arch::fence_view_async_shared();
