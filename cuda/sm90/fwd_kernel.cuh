@@ -44,6 +44,7 @@ struct FwdKernelParams {
   FwdParams p;
   typename Tr::TmaQ tma_q;
   typename Tr::TmaKV tma_k, tma_v;
+  typename Tr::TmaO tma_o;  // used when Tr::kStoreOViaSmem
 };
 
 template <class Tr>
@@ -52,6 +53,8 @@ struct FwdSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> k;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> v;
+  // Each consumer's 64 rows of O on their way out (a token size when O is stored from registers).
+  array_aligned<T, Tr::kStoreOViaSmem ? 2 * cosize_v<typename Tr::SmemLayoutO> : 8, 1024> o;
   uint64_t q_full, q_empty;  // Q is reloaded per tile once both consumers are past their last Q·Kᵀ
   uint64_t k_full[Tr::kStages], k_empty[Tr::kStages];
   uint64_t v_full[Tr::kStages], v_empty[Tr::kStages];
@@ -269,6 +272,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   const bool releaser = mma_tid % 128 == 0;
   // Pingpong: each consumer waits on its own named barrier before issuing a GEMM batch and signals the
   // other's right after; consumer 0 goes first in every tile.
+  constexpr uint32_t kBarOStore = 2;  // + wg: a consumer's O tile written (ids 0, 1: the pingpong's)
   auto sched_wait = [&] { NamedBarrier::sync(Tr::kMmaThreads, wg); };
   auto sched_signal = [&] { NamedBarrier::arrive(Tr::kMmaThreads, 1 - wg); };
 
@@ -391,22 +395,69 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     // ---- epilogue: normalise and write this thread's rows of O (pairs of columns) and LSE ----
     float lse[kRows];
     softmax.finalize(o_rc, score_scale, dropout ? p.dropout.keep_scale : 1.f, lse);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const int row = get<0>(oc_rc(r, 0));
-      if (row < t.m_end - t.m0) {
-        T* o_row = o_base + (t.m0 + row) * q_row_stride;
+    if constexpr (Tr::kStoreOViaSmem) {
+      // Into this consumer's O tile in shared memory once its previous TMA store has read it, then one TMA
+      // store (rows past seqlen_q are dropped by TMA); the consumer goes on to its next tile meanwhile.
+      Tensor sO = make_tensor(make_smem_ptr(ss.o.data() + wg * cosize_v<typename Tr::SmemLayoutO>),
+                              typename Tr::SmemLayoutO{});
+      if (releaser) tma_store_wait<0>();
+      NamedBarrier::sync(128, kBarOStore + wg);
+      // A thread's pairs of a row lie 16 bytes apart, eight to a 128-byte swizzled row: pair j is at the
+      // first one's address with bits 4-6 XOR j (one address per row and atom, not per pair).
+      static_assert(decltype(size<1>(o_rc))::value % 16 == 0, "a thread's pairs fill whole 128-byte rows");
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int row = get<0>(oc_rc(r, 0)) - 64 * wg;
+        asm volatile("" : "+r"(row));  // addresses recomputed here, not hoisted into registers
+        uint32_t addr0 = 0;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(o_rc); c += 2) {
+          const int j = c / 2 % 8;
+          if (j == 0) addr0 = cast_smem_ptr_to_uint(&sO(row, get<1>(oc_rc(r, c))));
           cutlass::Array<T, 2> pair;
           pair[0] = T(o_rc(r, c));
           pair[1] = T(o_rc(r, c + 1));
-          *reinterpret_cast<cutlass::Array<T, 2>*>(o_row + get<1>(oc_rc(r, c))) = pair;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr0 ^ uint32_t(j << 4)),
+                       "r"(*reinterpret_cast<const uint32_t*>(&pair)));
         }
-        if (get<1>(oc_rc(r, 0)) == 0) lse_row[row] = lse[r];
+      }
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA store
+      NamedBarrier::sync(128, kBarOStore + wg);
+      if (releaser) {
+        Tensor mO = kp.tma_o.get_tma_tensor(
+            make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
+        Tensor gO = local_tile(mO(_, _, int32_t(t.head), int32_t(t.batch)), typename Tr::TileO{},
+                               make_coord(int32_t(t.m_block * 2 + wg), _0{}));
+        auto [tOg, tOs] = tma_partition(kp.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO),
+                                        group_modes<0, 2>(gO));
+        copy(kp.tma_o, tOs, tOg);
+        tma_store_arrive();
+      }
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(oc_rc(r, 0));
+        if (row < t.m_end - t.m0 && get<1>(oc_rc(r, 0)) == 0) lse_row[row] = lse[r];
+      }
+    } else {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(oc_rc(r, 0));
+        if (row < t.m_end - t.m0) {
+          T* o_row = o_base + (t.m0 + row) * q_row_stride;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(o_rc); c += 2) {
+            cutlass::Array<T, 2> pair;
+            pair[0] = T(o_rc(r, c));
+            pair[1] = T(o_rc(r, c + 1));
+            *reinterpret_cast<cutlass::Array<T, 2>*>(o_row + get<1>(oc_rc(r, c))) = pair;
+          }
+          if (get<1>(oc_rc(r, 0)) == 0) lse_row[row] = lse[r];
+        }
       }
     }
   }
+  // The shared memory of the last O tiles must outlive their TMA stores' reads.
+  if (Tr::kStoreOViaSmem && releaser) tma_store_wait<0>();
 }
 
 }  // namespace jaxflash::sm90

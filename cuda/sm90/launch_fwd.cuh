@@ -16,14 +16,19 @@ namespace jaxflash::sm90 {
 
 // (row, d, head, batch) view of a [batch, rows, heads, d] tensor. The descriptor embeds the data pointer, so
 // it is rebuilt at every call (host-only work: no device memory, no stream operation).
-template <class Tr, class SmemLayout, class Tile>
-auto make_tma(const void* ptr, int64_t rows, int64_t heads, int64_t batch, SmemLayout smem_layout, Tile tile) {
-  using T = typename Tr::Element;
+template <class Tr, class T>
+auto gmem_view(T* ptr, int64_t rows, int64_t heads, int64_t batch) {
   constexpr int kD = Tr::kHeadDim;
   auto shape = typename Tr::GmemShape{int32_t(rows), Int<kD>{}, int32_t(heads), int32_t(batch)};
   auto stride = typename Tr::GmemStride{heads * kD, _1{}, int64_t(kD), rows * heads * kD};
-  return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)), shape, stride),
-                       smem_layout, tile, _1{});
+  return make_tensor(make_gmem_ptr(ptr), shape, stride);
+}
+
+template <class Tr, class SmemLayout, class Tile>
+auto make_tma(const void* ptr, int64_t rows, int64_t heads, int64_t batch, SmemLayout smem_layout, Tile tile) {
+  using T = typename Tr::Element;
+  return make_tma_copy(SM90_TMA_LOAD{}, gmem_view<Tr>(static_cast<const T*>(ptr), rows, heads, batch), smem_layout,
+                       tile, _1{});
 }
 
 template <class Tr, bool kExtras>
@@ -44,6 +49,9 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool
       make_tma<Tr>(p.q, d.seqlen_q, d.heads_q, d.batch, typename Tr::SmemLayoutQ{}, typename Tr::TileQ{}),
       make_tma<Tr>(p.k, d.seqlen_k, d.heads_k, d.batch, kv_layout, typename Tr::TileKV{}),
       make_tma<Tr>(p.v, d.seqlen_k, d.heads_k, d.batch, kv_layout, typename Tr::TileKV{}),
+      make_tma_copy(SM90_TMA_STORE{},
+                    gmem_view<Tr>(static_cast<typename Tr::Element*>(p.o), d.seqlen_q, d.heads_q, d.batch),
+                    typename Tr::SmemLayoutO{}, typename Tr::TileO{}, _1{}),
   };
   kKernel<<<dim3(unsigned(grid)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
   return cudaPeekAtLastError();

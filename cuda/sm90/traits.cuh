@@ -94,6 +94,14 @@ struct FwdTraits {
 
   static constexpr int kQBytes = kBlockM * kHeadDim_ * int(sizeof(Element));
   static constexpr int kKVBytes = kBlockN * kHeadDim_ * int(sizeof(Element));  // one stage of K or of V
+
+  // O leaves through shared memory and a TMA store per consumer (its 64 rows) where that fits beside the
+  // K/V stages (d=64 and 128: +16 and +32 KB); at d=256 the threads store it from registers.
+  static constexpr bool kStoreOViaSmem = kQBytes + 2 * kStages * kKVBytes + kQBytes <= 200 * 1024;
+  using TileO = Shape<_64, Int<kHeadDim_>>;
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtom{}, TileO{}));
+  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutO{}, TileO{}, _1{}));
 };
 
 }  // namespace jaxflash::sm90
