@@ -198,18 +198,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
             reduce_add_dq(g, int(it & 1), iter_head(it), m_block * kM);
           }
         }
-        if (leader && it > 0) {  // the previous block's adds have completed: their turns pass on
-          bulk_wait_performed<kWG>();
-          for (int g = 0; g < kWG; ++g) pass_turn(turn(it - 1, g), int(n_block) + 1);
+        if (leader) {  // the turns pass on as soon as these adds have completed
+          bulk_wait_performed<0>();
+          for (int g = 0; g < kWG; ++g) pass_turn(turn(it, g), int(n_block) + 1);
         }
         __syncwarp();
         // Its staging tiles (the previous block's) are free for the consumers' next block.
         if (it + 1 < n_iters)
           for (int g = 0; g < kWG; ++g) NamedBarrier::arrive(kDqSyncThreads, kBarDqEmpty + g);
-      }
-      if (leader) {
-        bulk_wait_performed<0>();
-        for (int g = 0; g < kWG; ++g) pass_turn(turn(n_iters - 1, g), int(n_block) + 1);
       }
       return;
     }
