@@ -47,6 +47,7 @@ struct BwdKernelParams {
   typename Tr::TmaQ tma_q, tma_do;
   typename Tr::TmaKV tma_k, tma_v;
   typename Tr::TmaDq tma_dq;
+  typename Tr::TmaDkv tma_dk, tma_dv;
 };
 
 template <class Tr>
@@ -112,8 +113,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
   constexpr int kMmaThreads = Tr::kMmaThreads;
-  // Named barriers of the two consumers (the forward's ids 0 and 1 are not used here).
-  constexpr uint32_t kBarDs = 2, kBarZeroed = 3, kBarDqFull = 4, kBarDqEmpty = 6;  // the last two + wg
+  // Named barriers of the two consumers (the forward's ids 0 and 1 are not used here); DqFull and DqEmpty + wg.
+  constexpr uint32_t kBarDs = 2, kBarZeroed = 3, kBarDqFull = 4, kBarDqEmpty = 6, kBarEpilogue = 8;
   constexpr int kWG = Tr::kMmaWarpGroups;
   constexpr uint32_t kDqSyncThreads = 128 + 32;  // a consumer and the dQ warp (deterministic mode)
 
@@ -454,25 +455,28 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
   if (!kOrdered && releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
 
-  // ---- epilogue: dK = scale · dK; this thread's pairs of columns of dK and dV ----
-  const int64_t k_row_stride = dims.heads_k * kD;
-  const int64_t k_off = batch * seqlen_k * k_row_stride + head_k * kD;
-  T* dk = static_cast<T*>(p.dk) + k_off;
-  T* dv = static_cast<T*>(p.dv) + k_off;
-  Tensor kv_c = thr_kv.partition_C(make_identity_tensor(typename Tr::TileKV{}));
-  CUTE_UNROLL
-  for (int e = 0; e < size(acc_dk); e += 2) {
-    const int row = get<0>(kv_c(e)), col = get<1>(kv_c(e));
-    if (row < n_end - n0) {
-      const int64_t off = (n0 + row) * k_row_stride + col;
-      cutlass::Array<T, 2> pair;
-      pair[0] = T(acc_dk(e) * p.scale);
-      pair[1] = T(acc_dk(e + 1) * p.scale);
-      *reinterpret_cast<cutlass::Array<T, 2>*>(dk + off) = pair;
-      pair[0] = T(acc_dv(e));
-      pair[1] = T(acc_dv(e + 1));
-      *reinterpret_cast<cutlass::Array<T, 2>*>(dv + off) = pair;
-    }
+  // ---- epilogue: dK = scale · dK and dV into the K and V tiles (free once both consumers' last GEMMs have
+  // read them), then one TMA store each (keys past the tensor are dropped by TMA) ----
+  sync_consumers(kBarEpilogue);
+  Tensor kv_c = rowcol(thr_kv.partition_C(make_identity_tensor(typename Tr::TileKV{})));
+  store_sw128_rows<T>(rowcol(acc_dk), kv_c, sK, 0, p.scale);
+  store_sw128_rows<T>(rowcol(acc_dv), kv_c, sV, 0, 1.f);
+  cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA stores
+  sync_consumers(kBarEpilogue);
+  if (mma_tid == 0) {
+    Tensor mdK = kp.tma_dk.get_tma_tensor(make_shape(int32_t(seqlen_k), Int<kD>{}, int32_t(dims.heads_k),
+                                                     int32_t(dims.batch)));
+    Tensor mdV = kp.tma_dv.get_tma_tensor(shape(mdK));
+    auto block = [&](auto& m) {
+      return local_tile(m(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{}, make_coord(int32_t(n_block), _0{}));
+    };
+    Tensor gdK = block(mdK), gdV = block(mdV);
+    auto [tdKg, tdKs] = tma_partition(kp.tma_dk, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gdK));
+    auto [tdVg, tdVs] = tma_partition(kp.tma_dv, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gdV));
+    copy(kp.tma_dk, tdKs, tdKg);
+    copy(kp.tma_dv, tdVs, tdVg);
+    tma_store_arrive();
+    tma_store_wait<0>();  // the shared memory must outlive the stores' reads
   }
 }
 

@@ -97,6 +97,34 @@ __forceinline__ __device__ void convert_into(TensorF const& from, TensorT& to) {
       convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(from.data())));
 }
 
+// A thread's rows of an accumulator (rowcol view, as wgmma leaves it: pairs of adjacent columns, 8 columns
+// apart) times scale, as T, into a (row, col) tile of shared memory swizzled in 128-byte rows (64 columns of a
+// 2-byte T). A row's pairs lie 16 bytes apart, eight to a swizzled row: pair j is at the first one's address
+// with bits 4-6 XOR j, one address per 64 columns instead of per pair. Each store of a warp covers 8 rows at
+// distinct 16-byte chunks: no bank conflicts.
+template <class T, class AccRC, class CoordRC, class SmemTensor>
+__forceinline__ __device__ void store_sw128_rows(AccRC const& acc_rc, CoordRC const& c_rc, SmemTensor&& s,
+                                                 int row_offset, float scale) {
+  static_assert(sizeof(T) == 2 && decltype(size<1>(acc_rc))::value % 16 == 0,
+                "a thread's pairs must fill whole 128-byte rows");
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(acc_rc); ++r) {
+    int row = get<0>(c_rc(r, 0)) - row_offset;
+    asm volatile("" : "+r"(row));  // addresses recomputed here, not hoisted into registers
+    uint32_t addr0 = 0;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(acc_rc); c += 2) {
+      const int j = c / 2 % 8;
+      if (j == 0) addr0 = cast_smem_ptr_to_uint(&s(row, get<1>(c_rc(r, c))));
+      cutlass::Array<T, 2> pair;
+      pair[0] = T(acc_rc(r, c) * scale);
+      pair[1] = T(acc_rc(r, c + 1) * scale);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr0 ^ uint32_t(j << 4)),
+                   "r"(*reinterpret_cast<const uint32_t*>(&pair)));
+    }
+  }
+}
+
 // One work tile: kBlockM query rows of one (batch, head) and the K/V blocks they can see.
 struct FwdTile {
   int64_t m_block, head, batch, head_k;
@@ -402,25 +430,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
                               typename Tr::SmemLayoutO{});
       if (releaser) tma_store_wait<0>();
       NamedBarrier::sync(128, kBarOStore + wg);
-      // A thread's pairs of a row lie 16 bytes apart, eight to a 128-byte swizzled row: pair j is at the
-      // first one's address with bits 4-6 XOR j (one address per row and atom, not per pair).
-      static_assert(decltype(size<1>(o_rc))::value % 16 == 0, "a thread's pairs fill whole 128-byte rows");
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        int row = get<0>(oc_rc(r, 0)) - 64 * wg;
-        asm volatile("" : "+r"(row));  // addresses recomputed here, not hoisted into registers
-        uint32_t addr0 = 0;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o_rc); c += 2) {
-          const int j = c / 2 % 8;
-          if (j == 0) addr0 = cast_smem_ptr_to_uint(&sO(row, get<1>(oc_rc(r, c))));
-          cutlass::Array<T, 2> pair;
-          pair[0] = T(o_rc(r, c));
-          pair[1] = T(o_rc(r, c + 1));
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr0 ^ uint32_t(j << 4)),
-                       "r"(*reinterpret_cast<const uint32_t*>(&pair)));
-        }
-      }
+      store_sw128_rows<T>(o_rc, oc_rc, sO, 64 * wg, 1.f);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA store
       NamedBarrier::sync(128, kBarOStore + wg);
       if (releaser) {

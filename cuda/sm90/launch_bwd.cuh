@@ -17,6 +17,7 @@ namespace jaxflash::sm90 {
 
 template <class Tr, bool kExtras, bool kOrdered>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device) {
+  using T = typename Tr::Element;
   constexpr auto kKernel = &flash_bwd_kernel<Tr, kExtras, kOrdered>;
   constexpr int kSmemBytes = int(sizeof(BwdSharedStorage<Tr>));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
@@ -36,13 +37,12 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
       make_tma<Tr>(p.dout, d.seqlen_q, d.heads_q, d.batch, q_layout, typename Tr::TileQ{}),
       make_tma<Tr>(p.k, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
       make_tma<Tr>(p.v, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
-      make_tma_copy(SM90_TMA_REDUCE_ADD{},
-                    make_tensor(make_gmem_ptr(p.dq_accum),
-                                typename Tr::GmemShape{int32_t(d.seqlen_q), Int<Tr::kHeadDim>{}, int32_t(d.heads_q),
-                                                       int32_t(d.batch)},
-                                typename Tr::GmemStride{d.heads_q * Tr::kHeadDim, _1{}, int64_t(Tr::kHeadDim),
-                                                        d.seqlen_q * d.heads_q * Tr::kHeadDim}),
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, gmem_view<Tr>(p.dq_accum, d.seqlen_q, d.heads_q, d.batch),
                     typename Tr::SmemLayoutDq{}, typename Tr::TileDq{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dk), d.seqlen_k, d.heads_k, d.batch),
+                    typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dv), d.seqlen_k, d.heads_k, d.batch),
+                    typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
   };
   kKernel<<<dim3(unsigned(blocks)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
   return cudaPeekAtLastError();

@@ -105,6 +105,9 @@ struct BwdTraits {
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{}, _1{}));
   using GmemTensorF32 = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}));
   using TmaDq = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorF32{}, SmemLayoutDq{}, TileDq{}, _1{}));
+  // dK and dV leave through the K and V tiles in shared memory.
+  using TmaDkv = decltype(make_tma_copy(SM90_TMA_STORE{}, typename FwdTraits<Element_, kHeadDim_>::GmemTensorOut{},
+                                        SmemLayoutKV{}, TileKV{}, _1{}));
 
   static constexpr int kQBytes = kBlockM * kHeadDim_ * int(sizeof(Element));  // one stage of Q or of dO
   static constexpr int kKVBytes = kBlockN * kHeadDim_ * int(sizeof(Element));
