@@ -12,6 +12,7 @@
 //                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys.
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
 //                   into the fp32 dq_accum with a TMA reduce-add (deterministic mode: the dQ warp does).
+//                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
 //   dQ warp:        deterministic mode only (the producer warpgroup's second warp), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
 // (keep_bits_transposed: one 32-bit mask per thread).
@@ -468,11 +469,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
                                                      int32_t(dims.batch)));
     Tensor mdV = kp.tma_dv.get_tma_tensor(shape(mdK));
     auto block = [&](auto& m) {
-      return local_tile(m(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{}, make_coord(int32_t(n_block), _0{}));
+      return group_modes<0, 2>(local_tile(m(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{},
+                                          make_coord(int32_t(n_block), _0{})));
     };
-    Tensor gdK = block(mdK), gdV = block(mdV);
-    auto [tdKg, tdKs] = tma_partition(kp.tma_dk, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gdK));
-    auto [tdVg, tdVs] = tma_partition(kp.tma_dv, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gdV));
+    auto [tdKg, tdKs] = tma_partition(kp.tma_dk, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), block(mdK));
+    auto [tdVg, tdVs] = tma_partition(kp.tma_dv, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), block(mdV));
     copy(kp.tma_dk, tdKs, tdKg);
     copy(kp.tma_dv, tdVs, tdVg);
     tma_store_arrive();

@@ -11,7 +11,8 @@
 //                    is issued together with O += P_{i−1}·V_{i−1} (P from registers), the softmax of S_i runs
 //                    while that P·V is still in flight, and O is rescaled once it has landed. A named-barrier
 //                    handshake alternates the two consumers' GEMM batches on the tensor cores, so one
-//                    warpgroup's softmax hides under the other's GEMMs.
+//                    warpgroup's softmax hides under the other's GEMMs. O leaves through shared memory and
+//                    one TMA store per consumer where shared memory allows (d=64, 128).
 // Keys past the visible range inside the tensor (past kv_len, or a window's far side) may hold anything, even
 // NaN; P is 0 there, but 0·NaN is not, so the producer zeroes those rows of the one partial V block.
 #pragma once
