@@ -14,8 +14,7 @@
 
 namespace jaxflash::sm90 {
 
-// (row, d, head, batch) view of a [batch, rows, heads, d] tensor. The descriptor embeds the data pointer, so
-// it is rebuilt at every call (host-only work: no device memory, no stream operation).
+// (row, d, head, batch) view of a [batch, rows, heads, d] tensor, for every TMA descriptor of the family.
 template <class Tr, class T>
 auto gmem_view(T* ptr, int64_t rows, int64_t heads, int64_t batch) {
   constexpr int kD = Tr::kHeadDim;
@@ -24,6 +23,8 @@ auto gmem_view(T* ptr, int64_t rows, int64_t heads, int64_t batch) {
   return make_tensor(make_gmem_ptr(ptr), shape, stride);
 }
 
+// A load descriptor embeds the data pointer, so it is rebuilt at every call (host-only work: no device memory,
+// no stream operation).
 template <class Tr, class SmemLayout, class Tile>
 auto make_tma(const void* ptr, int64_t rows, int64_t heads, int64_t batch, SmemLayout smem_layout, Tile tile) {
   using T = typename Tr::Element;
