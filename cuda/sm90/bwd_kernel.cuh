@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   // ---- consumers ----
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
   const int mma_tid = tid - 128;
-  const int wg = mma_tid / 128;
+  const int wg = warp_group - 1;  // warp-uniform (a shuffle's result), unlike mma_tid / 128
   const bool releaser = mma_tid % 128 == 0;
 
   typename Tr::TiledMmaSdP mma_sdp;
@@ -275,14 +275,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
   auto thr_kv = mma_kv.get_thread_slice(mma_tid);
   auto thr_dq = mma_dq.get_thread_slice(mma_tid);
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // (MMA, MMA_N, MMA_D)
-  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, MMA_M, MMA_D, stage)
-  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-  Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);  // (MMA, MMA_D, MMA_M, stage)
-  Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
-  Tensor tQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_N, buffer)
-  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, MMA_D, MMA_N)
+  // The shared-memory operands' descriptors are one per warpgroup: partitioned for the warpgroup's first
+  // thread, a warp-uniform index, they are built in uniform registers (from mma_tid, every wgmma rebuilt its
+  // K or V descriptor in vector registers and moved it over).
+  auto wg_sdp = mma_sdp.get_thread_slice(wg * 128);
+  auto wg_kv = mma_kv.get_thread_slice(wg * 128);
+  auto wg_dq = mma_dq.get_thread_slice(wg * 128);
+  Tensor tSrK = wg_sdp.partition_fragment_A(sK);    // (MMA, MMA_N, MMA_D)
+  Tensor tSrV = wg_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);    // (MMA, MMA_M, MMA_D, stage)
+  Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);
+  Tensor tKVrQt = wg_kv.partition_fragment_B(sQt);  // (MMA, MMA_D, MMA_M, stage)
+  Tensor tKVrdOt = wg_kv.partition_fragment_B(sdOt);
+  Tensor tQrdS = wg_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_N, buffer)
+  Tensor tQrKt = wg_dq.partition_fragment_B(sKt);   // (MMA, MMA_D, MMA_N)
 
   Tensor acc_s = partition_fragment_C(mma_sdp, typename Tr::TileSt{});
   Tensor acc_dp = partition_fragment_C(mma_sdp, typename Tr::TileSt{});
