@@ -58,7 +58,7 @@ def test_cuda_masks_match_oracle(kind_name, shape, dtype, deterministic):
         check_close(name, g, r, n, dtype, case)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_cuda_padding_past_lengths_never_leaks(d):
     """Keys and queries past the lengths may hold anything, even NaN: results equal those of clean inputs."""
     q, k, v, do = make_inputs(31, (2,), 150, 170, 4, 2, d, DTYPES["bfloat16"])
@@ -72,7 +72,11 @@ def test_cuda_padding_past_lengths_never_leaks(d):
         clean = run(q, k, v, do, kind, kw, "cuda", det)
         got = run(*dirty, kind, kw, "cuda", det)
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, clean):
-            np.testing.assert_array_equal(np.asarray(f64(a)), np.asarray(f64(b)), err_msg=name)
+            if name == "dq" and not det:  # fp32 atomics add in any order: a last bit may round the other way
+                np.testing.assert_allclose(np.asarray(f64(a)), np.asarray(f64(b)), rtol=1e-2, atol=1e-3,
+                                           err_msg=name)
+            else:
+                np.testing.assert_array_equal(np.asarray(f64(a)), np.asarray(f64(b)), err_msg=name)
 
 
 def _dropout_pattern(backend, key, rate, sq, hq, hk, sk):
@@ -143,7 +147,7 @@ def test_cuda_extras_deterministic_mode_is_bitwise_reproducible():
         assert np.array_equal(np.asarray(f64(x)), np.asarray(f64(y)))
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_cuda_diagonal_takes_lengths_as_given(d):
     """As test_masks' CPU test: lengths past S (eager) or negative (traced) still place the bottom-right diagonal,
     c = i + kv_lengths - q_lengths unclipped, while validity clips them; how a ring step describes its block."""

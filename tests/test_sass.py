@@ -80,10 +80,22 @@ def test_sm90_backward_kernels_use_wgmma_tma_and_setmaxnreg():
 
     functions = _sass_by_function(_jaxflash_cuda.__file__)
     kernels = {n: b for n, b in functions.items() if n.startswith("_ZN8jaxflash4sm9016flash_bwd_kernel")}
-    # Four variants per configuration: with and without the extras, each also for deterministic=True (the
-    # template's last flag: ...Lb0ELb1EE... in the mangled name).
+    split_d = {n: b for n, b in functions.items() if n.startswith("_ZN8jaxflash4sm9024flash_bwd_split_d_kernel")}
+    n_split = sum(d > 128 for _, d in configs)
+    # Up to d = 128, four variants per configuration: with and without the extras, each also for
+    # deterministic=True (the template's last flag: ...Lb0ELb1EE... in the mangled name). Past 128, the
+    # split-d kernel: with and without the extras (its deterministic calls run the sm80 backward).
     ordered = [n for n in kernels if re.search(r"Lb[01]ELb1EEEv", n)]
-    assert len(kernels) == 4 * len(configs) and len(ordered) == 2 * len(configs), sorted(kernels)
+    assert len(kernels) == 4 * (len(configs) - n_split) and len(ordered) == 2 * (len(configs) - n_split), \
+        sorted(kernels)
+    assert len(split_d) == 2 * n_split, sorted(split_d)
+    for name, body in split_d.items():
+        # Every GEMM with both operands in shared memory; dQ added by fp32 vector atomics.
+        assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, gdesc\[", body), f"{name}: no SS wgmma"
+        assert "REDG.E.ADD.F32x2" in body, f"{name}: no vector atomics for dQ"
+        assert "UTMALDG" in body and "UTMASTG" in body, f"{name}: no TMA load or store"
+        assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{name}: no setmaxnreg"
+        assert "BPT.TRAP" not in body, f"{name}: a trap (built for sm_90 instead of sm_90a?)"
     for name, body in kernels.items():
         assert "UTMAREDG" in body, f"{name}: no TMA reduce-add of dQ"
         if name in ordered:  # the turn counters: an acquire load (the wait) and a release store (the pass)

@@ -56,9 +56,9 @@ ffi::Error CudaFailed(const char* target, const char* what, cudaError_t err) {
 // The kernel family that runs (pass, dtype, head dim) on `device`: kDecode for a forward call it takes
 // (`decode_shape`: few query rows per K/V head, no dropout), else kSm90 on a compute capability 9.0 GPU when
 // that family has the configuration (its sm_90a code runs nowhere else) and takes the call (`sm90_takes`:
-// its deterministic backward does not take segment ids), else kSm80, which runs on every GPU the module
-// is built for. JAXFLASH_CUDA_KERNELS=sm80, read at every call, forces kSm80 so that the families can be
-// tested against each other on one Hopper GPU.
+// its deterministic backward takes no segment ids and head dims up to 128), else kSm80, which runs on every
+// GPU the module is built for. JAXFLASH_CUDA_KERNELS=sm80, read at every call, forces kSm80 so that the
+// families can be tested against each other on one Hopper GPU.
 ffi::Error SelectFamily(const char* target, int device, Pass pass, DType dtype, int64_t head_dim, bool decode_shape,
                         bool sm90_takes, Family* family) {
   if (dtype == DType::kF32)
@@ -171,7 +171,8 @@ ffi::Error BwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi
     return e;
   if (auto e = ToDType(kBwdTarget, q.element_type(), &dtype); e.failure()) return e;
   if (auto e = SelectFamily(kBwdTarget, device, Pass::kBwd, dtype, p.dims.head_dim, false,
-                            !(p.deterministic && p.mask.q_segment_ids != nullptr), &family);
+                            !(p.deterministic && (p.mask.q_segment_ids != nullptr || p.dims.head_dim > 128)),
+                            &family);
       e.failure())
     return e;
   if (auto e = CheckGrid(kBwdTarget, p.dims); e.failure()) return e;

@@ -109,13 +109,142 @@ __forceinline__ __device__ void zero_rows(TensorS&& s, int row_begin, int row_en
         make_uint4(0, 0, 0, 0);
 }
 
+// Named barriers of the consumers (the forward's ids 0 and 1 are not used here); kDqFull and kDqEmpty + the
+// consumer's index.
+struct BwdBar {
+  static constexpr uint32_t kShared = 2, kZeroed = 3, kDqFull = 4, kDqEmpty = 6, kEpilogue = 8;
+};
+
+// Rows [row_begin, row_end) of two (row, d) tiles zeroed by every consumer thread and made visible to wgmma
+// (rows past a length may hold anything, even NaN, and 0·NaN is not 0).
+template <class Tr, class TensorA, class TensorB>
+__forceinline__ __device__ void zero_tails(TensorA&& a, TensorB&& b, int row_begin, int row_end, int mma_tid) {
+  using T = typename Tr::Element;
+  zero_rows<Tr::kHeadDim, T>(a, row_begin, row_end, mma_tid, Tr::kMmaThreads);
+  zero_rows<Tr::kHeadDim, T>(b, row_begin, row_end, mma_tid, Tr::kMmaThreads);
+  cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by wgmma
+  NamedBarrier::sync(Tr::kMmaThreads, BwdBar::kZeroed);
+}
+
+// The pipeline's barriers (one thread): a stage is full once its TMA bytes landed, empty once both consumers
+// released it.
+template <class Tr, class Storage>
+__forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
+  ClusterTransactionBarrier::init(&ss.kv_full, 1);
+  CUTE_UNROLL
+  for (int s = 0; s < Tr::kStages; ++s) {
+    ClusterTransactionBarrier::init(&ss.q_full[s], 1);
+    ClusterTransactionBarrier::init(&ss.do_full[s], 1);
+    ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaWarpGroups);
+    ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaWarpGroups);
+  }
+}
+
+// The producer warp of either backward kernel: K and V once, then Q and dO of every query block the block
+// visits into kStages stages, with the rows' lse2 and delta beside them; a stage is refilled once both
+// consumers released it.
+template <class Tr, class Storage>
+__forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
+                                            int lane) {
+  constexpr int kM = Tr::kBlockM, kD = Tr::kHeadDim, kStages = Tr::kStages;
+  const BwdParams& p = kp.p;
+  const AttnDims& dims = p.dims;
+  const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
+  const BatchMask& bm = w.bm;
+  const int64_t batch = w.batch;
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  auto gmem_shape = [&](int64_t rows, int64_t heads) {
+    return make_shape(int32_t(rows), Int<kD>{}, int32_t(heads), int32_t(dims.batch));
+  };
+  Tensor mQ = kp.tma_q.get_tma_tensor(gmem_shape(seqlen_q, dims.heads_q));
+  Tensor mdO = kp.tma_do.get_tma_tensor(gmem_shape(seqlen_q, dims.heads_q));
+  Tensor mK = kp.tma_k.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
+  Tensor mV = kp.tma_v.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
+  {
+    Tensor gK = local_tile(mK(_, _, int32_t(w.head_k), int32_t(batch)), typename Tr::TileKV{},
+                           make_coord(int32_t(w.n_block), _0{}));
+    Tensor gV = local_tile(mV(_, _, int32_t(w.head_k), int32_t(batch)), typename Tr::TileKV{},
+                           make_coord(int32_t(w.n_block), _0{}));
+    auto [tKg, tKs] = tma_partition(kp.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(kp.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    if (lane == 0) {
+      ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kKVBytes);
+      copy(kp.tma_k.with(ss.kv_full), tKg, tKs);
+      copy(kp.tma_v.with(ss.kv_full), tVg, tVs);
+    }
+  }
+  for (int64_t it = 0; it < w.n_iters; ++it) {
+    const int32_t head = int32_t(w.head(it)), m_block = int32_t(w.m_block(it));
+    const int stage = int(it % kStages);
+    const uint32_t free_parity = uint32_t((it / kStages) & 1) ^ 1;  // a fresh barrier counts as released
+    Tensor gQ = local_tile(mQ(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
+    Tensor gdO = local_tile(mdO(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
+    auto [tQg, tQs] = tma_partition(kp.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOg, tdOs] =
+        tma_partition(kp.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    // Stats as lse_log2_of and load_row_stats give them: rows past q_len get P = 0 and delta 0. The
+    // lanes' stores are ordered before lane 0's arrive (release) by __syncwarp.
+    const int64_t m0 = int64_t(m_block) * kM, stat_off = (batch * dims.heads_q + head) * seqlen_q;
+    ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
+    for (int r = lane; r < kM; r += 32) ss.lse2[stage][r] = lse_log2_of(p.lse + stat_off, m0 + r, bm.q_len);
+    __syncwarp();
+    if (lane == 0) {
+      ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[stage], Tr::kQBytes);
+      copy(kp.tma_q.with(ss.q_full[stage]), tQg, tQs(_, stage));
+    }
+    ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
+    for (int r = lane; r < kM; r += 32) ss.delta[stage][r] = m0 + r < bm.q_len ? p.delta[stat_off + m0 + r] : 0.f;
+    __syncwarp();
+    if (lane == 0) {
+      ClusterTransactionBarrier::arrive_and_expect_tx(&ss.do_full[stage], Tr::kQBytes);
+      copy(kp.tma_do.with(ss.do_full[stage]), tdOg, tdOs(_, stage));
+    }
+  }
+}
+
+// The consumers' end: dK = scale · dK and dV into the K and V tiles (free once both consumers' last GEMMs
+// have read them), then one TMA store each (keys past the tensor are dropped by TMA). Every consumer thread
+// calls it.
+template <class Tr, class Storage, class AccRC, class ThrMma>
+__forceinline__ __device__ void store_dkdv(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
+                                           AccRC const& dk_rc, AccRC const& dv_rc, ThrMma const& thr_kv,
+                                           int mma_tid) {
+  using T = typename Tr::Element;
+  const AttnDims& dims = kp.p.dims;
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
+  NamedBarrier::sync(Tr::kMmaThreads, BwdBar::kEpilogue);
+  Tensor kv_c = rowcol(thr_kv.partition_C(make_identity_tensor(typename Tr::TileKV{})));
+  store_sw128_rows<T>(dk_rc, kv_c, sK, 0, kp.p.scale);
+  store_sw128_rows<T>(dv_rc, kv_c, sV, 0, 1.f);
+  cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA stores
+  NamedBarrier::sync(Tr::kMmaThreads, BwdBar::kEpilogue);
+  if (mma_tid == 0) {
+    Tensor mdK = kp.tma_dk.get_tma_tensor(make_shape(int32_t(dims.seqlen_k), Int<Tr::kHeadDim>{},
+                                                     int32_t(dims.heads_k), int32_t(dims.batch)));
+    Tensor mdV = kp.tma_dv.get_tma_tensor(shape(mdK));
+    auto block = [&](auto& m) {
+      return group_modes<0, 2>(local_tile(m(_, _, int32_t(w.head_k), int32_t(w.batch)), typename Tr::TileKV{},
+                                          make_coord(int32_t(w.n_block), _0{})));
+    };
+    auto [tdKg, tdKs] = tma_partition(kp.tma_dk, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), block(mdK));
+    auto [tdVg, tdVs] = tma_partition(kp.tma_dv, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), block(mdV));
+    copy(kp.tma_dk, tdKs, tdKg);
+    copy(kp.tma_dv, tdVs, tdVg);
+    tma_store_arrive();
+    tma_store_wait<0>();  // the shared memory must outlive the stores' reads
+  }
+}
+
 template <class Tr, bool kExtras, bool kOrdered>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
   constexpr int kMmaThreads = Tr::kMmaThreads;
-  // Named barriers of the two consumers (the forward's ids 0 and 1 are not used here); DqFull and DqEmpty + wg.
-  constexpr uint32_t kBarDs = 2, kBarZeroed = 3, kBarDqFull = 4, kBarDqEmpty = 6, kBarEpilogue = 8;
+  constexpr uint32_t kBarDs = BwdBar::kShared, kBarDqFull = BwdBar::kDqFull, kBarDqEmpty = BwdBar::kDqEmpty;
   constexpr int kWG = Tr::kMmaWarpGroups;
   constexpr uint32_t kDqSyncThreads = 128 + 32;  // a consumer and the dQ warp (deterministic mode)
 
@@ -125,10 +254,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const AttnDims& dims = p.dims;
   const int tid = threadIdx.x;
   const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
-  const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
+  const int64_t seqlen_q = dims.seqlen_q;
 
   const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kExtras, kOrdered>(p, ss.scratch);
-  const int64_t n_block = w.n_block, batch = w.batch, head_k = w.head_k;
+  const int64_t n_block = w.n_block, batch = w.batch;
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
   const bool segments = w.segments;
@@ -139,14 +268,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
   if (tid == 0) {
     if (kExtras && p.dropout.rate > 0.f) ss.draw = dropout_draw(p.dropout, batch);
-    ClusterTransactionBarrier::init(&ss.kv_full, 1);
-    CUTE_UNROLL
-    for (int s = 0; s < kStages; ++s) {
-      ClusterTransactionBarrier::init(&ss.q_full[s], 1);
-      ClusterTransactionBarrier::init(&ss.do_full[s], 1);
-      ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaWarpGroups);
-      ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaWarpGroups);
-    }
+    init_bwd_barriers<Tr>(ss);
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -211,55 +333,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       }
       return;
     }
-    if (tid >= 32 || n_iters == 0) return;
-    const int lane = tid;
-    auto gmem_shape = [&](int64_t rows, int64_t heads) {
-      return make_shape(int32_t(rows), Int<kD>{}, int32_t(heads), int32_t(dims.batch));
-    };
-    Tensor mQ = kp.tma_q.get_tma_tensor(gmem_shape(seqlen_q, dims.heads_q));
-    Tensor mdO = kp.tma_do.get_tma_tensor(gmem_shape(seqlen_q, dims.heads_q));
-    Tensor mK = kp.tma_k.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
-    Tensor mV = kp.tma_v.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
-    {
-      Tensor gK = local_tile(mK(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{},
-                             make_coord(int32_t(n_block), _0{}));
-      Tensor gV = local_tile(mV(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{},
-                             make_coord(int32_t(n_block), _0{}));
-      auto [tKg, tKs] = tma_partition(kp.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(kp.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      if (lane == 0) {
-        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kKVBytes);
-        copy(kp.tma_k.with(ss.kv_full), tKg, tKs);
-        copy(kp.tma_v.with(ss.kv_full), tVg, tVs);
-      }
-    }
-    for (int64_t it = 0; it < n_iters; ++it) {
-      const int32_t head = int32_t(iter_head(it)), m_block = int32_t(iter_m_block(it));
-      const int stage = stage_of(it);
-      const uint32_t free_parity = parity_of(it) ^ 1;  // a fresh barrier counts as released
-      Tensor gQ = local_tile(mQ(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
-      Tensor gdO = local_tile(mdO(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
-      auto [tQg, tQs] = tma_partition(kp.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tdOg, tdOs] =
-          tma_partition(kp.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      // Stats as lse_log2_of and load_row_stats give them: rows past q_len get P = 0 and delta 0. The
-      // lanes' stores are ordered before lane 0's arrive (release) by __syncwarp.
-      const int64_t m0 = int64_t(m_block) * kM, stat_off = (batch * dims.heads_q + head) * seqlen_q;
-      ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
-      for (int r = lane; r < kM; r += 32) ss.lse2[stage][r] = lse_log2_of(p.lse + stat_off, m0 + r, bm.q_len);
-      __syncwarp();
-      if (lane == 0) {
-        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[stage], Tr::kQBytes);
-        copy(kp.tma_q.with(ss.q_full[stage]), tQg, tQs(_, stage));
-      }
-      ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
-      for (int r = lane; r < kM; r += 32) ss.delta[stage][r] = m0 + r < bm.q_len ? p.delta[stat_off + m0 + r] : 0.f;
-      __syncwarp();
-      if (lane == 0) {
-        ClusterTransactionBarrier::arrive_and_expect_tx(&ss.do_full[stage], Tr::kQBytes);
-        copy(kp.tma_do.with(ss.do_full[stage]), tdOg, tdOs(_, stage));
-      }
-    }
+    if (tid < 32 && n_iters > 0) produce_bwd<Tr>(kp, ss, w, tid);
     return;
   }
 
@@ -330,12 +404,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   full_rows_end = cute::min(full_rows_end, bm.q_len);
   if (n_iters > 0) {
     ClusterTransactionBarrier::wait(&ss.kv_full, 0);
-    if (n_valid_end < n_end) {  // keys past kv_len inside the tensor
-      zero_rows<kD, T>(sK, int(n_valid_end - n0), int(n_end - n0), mma_tid, kMmaThreads);
-      zero_rows<kD, T>(sV, int(n_valid_end - n0), int(n_end - n0), mma_tid, kMmaThreads);
-      cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by wgmma
-      sync_consumers(kBarZeroed);
-    }
+    // Keys past kv_len inside the tensor.
+    if (n_valid_end < n_end) zero_tails<Tr>(sK, sV, int(n_valid_end - n0), int(n_end - n0), mma_tid);
   }
 
   for (int64_t it = 0; it < n_iters; ++it) {
@@ -348,12 +418,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     ClusterTransactionBarrier::wait(&ss.q_full[stage], parity);
     ClusterTransactionBarrier::wait(&ss.do_full[stage], parity);
     const int64_t q_valid_end = cute::min(m_end, bm.q_len);
-    if (q_valid_end < m_end) {  // query rows past q_len inside the tensor
-      zero_rows<kD, T>(sQ(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid, kMmaThreads);
-      zero_rows<kD, T>(sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid, kMmaThreads);
-      cutlass::arch::fence_view_async_shared();
-      sync_consumers(kBarZeroed);
-    }
+    if (q_valid_end < m_end)  // query rows past q_len inside the tensor
+      zero_tails<Tr>(sQ(_, _, stage), sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
     // Dropout's keep bits of this block while the two GEMMs run: one 32-bit mask per thread.
@@ -462,29 +528,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
   if (!kOrdered && releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
 
-  // ---- epilogue: dK = scale · dK and dV into the K and V tiles (free once both consumers' last GEMMs have
-  // read them), then one TMA store each (keys past the tensor are dropped by TMA) ----
-  sync_consumers(kBarEpilogue);
-  Tensor kv_c = rowcol(thr_kv.partition_C(make_identity_tensor(typename Tr::TileKV{})));
-  store_sw128_rows<T>(rowcol(acc_dk), kv_c, sK, 0, p.scale);
-  store_sw128_rows<T>(rowcol(acc_dv), kv_c, sV, 0, 1.f);
-  cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the TMA stores
-  sync_consumers(kBarEpilogue);
-  if (mma_tid == 0) {
-    Tensor mdK = kp.tma_dk.get_tma_tensor(make_shape(int32_t(seqlen_k), Int<kD>{}, int32_t(dims.heads_k),
-                                                     int32_t(dims.batch)));
-    Tensor mdV = kp.tma_dv.get_tma_tensor(shape(mdK));
-    auto block = [&](auto& m) {
-      return group_modes<0, 2>(local_tile(m(_, _, int32_t(head_k), int32_t(batch)), typename Tr::TileKV{},
-                                          make_coord(int32_t(n_block), _0{})));
-    };
-    auto [tdKg, tdKs] = tma_partition(kp.tma_dk, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), block(mdK));
-    auto [tdVg, tdVs] = tma_partition(kp.tma_dv, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), block(mdV));
-    copy(kp.tma_dk, tdKs, tdKg);
-    copy(kp.tma_dv, tdVs, tdVg);
-    tma_store_arrive();
-    tma_store_wait<0>();  // the shared memory must outlive the stores' reads
-  }
+  store_dkdv<Tr>(kp, ss, w, rowcol(acc_dk), rowcol(acc_dv), thr_kv, mma_tid);
 }
 
 }  // namespace jaxflash::sm90

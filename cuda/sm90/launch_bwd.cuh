@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "bwd_kernel.cuh"
+#include "bwd_split_d_kernel.cuh"
 #include "device_info.h"
 #include "launch.h"
 #include "launch_fwd.cuh"
@@ -18,8 +19,13 @@ namespace jaxflash::sm90 {
 template <class Tr, bool kExtras, bool kOrdered>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device) {
   using T = typename Tr::Element;
-  constexpr auto kKernel = &flash_bwd_kernel<Tr, kExtras, kOrdered>;
-  constexpr int kSmemBytes = int(sizeof(BwdSharedStorage<Tr>));
+  static_assert(!(Tr::kSplitD && kOrdered), "the split-d kernel has no deterministic mode");
+  constexpr auto kKernel = [] {
+    if constexpr (Tr::kSplitD) return &flash_bwd_split_d_kernel<Tr, kExtras>;
+    else return &flash_bwd_kernel<Tr, kExtras, kOrdered>;
+  }();
+  using Storage = std::conditional_t<Tr::kSplitD, BwdSplitDSharedStorage<Tr>, BwdSharedStorage<Tr>>;
+  constexpr int kSmemBytes = int(sizeof(Storage));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
   if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
   const AttnDims& d = p.dims;
@@ -37,8 +43,12 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
       make_tma<Tr>(p.dout, d.seqlen_q, d.heads_q, d.batch, q_layout, typename Tr::TileQ{}),
       make_tma<Tr>(p.k, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
       make_tma<Tr>(p.v, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
-      make_tma_copy(SM90_TMA_REDUCE_ADD{}, gmem_view<Tr>(p.dq_accum, d.seqlen_q, d.heads_q, d.batch),
-                    typename Tr::SmemLayoutDq{}, typename Tr::TileDq{}, _1{}),
+      [&] {
+        if constexpr (Tr::kSplitD) return typename Tr::TmaDq{};
+        else
+          return make_tma_copy(SM90_TMA_REDUCE_ADD{}, gmem_view<Tr>(p.dq_accum, d.seqlen_q, d.heads_q, d.batch),
+                               typename Tr::SmemLayoutDq{}, typename Tr::TileDq{}, _1{});
+      }(),
       make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dk), d.seqlen_k, d.heads_k, d.batch),
                     typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dv), d.seqlen_k, d.heads_k, d.batch),
@@ -50,16 +60,18 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
 
 template <DType kDType, int kHeadDim>
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
-  // Deterministic with segment ids: the sm80 family's (the handler's choice).
-  if (p.deterministic && p.mask.q_segment_ids != nullptr) return cudaErrorNotSupported;
   using T = ElementOf<kDType>;
-  using Tr = BwdTraits<T, kHeadDim>;
+  using Tr = BwdTraitsOf<T, kHeadDim>;
+  // Deterministic with segment ids or past d = 128: the sm80 family's (the handler's choice).
+  if (p.deterministic && (Tr::kSplitD || p.mask.q_segment_ids != nullptr)) return cudaErrorNotSupported;
   cudaError_t err;
   if ((err = launch_bwd_preprocess<T, kHeadDim>(p, /*clear_dq_accum=*/true, stream)) != cudaSuccess) return err;
   err = with_extras(p, [&](auto extras) {
     constexpr bool kExtras = decltype(extras)::value;
-    return p.deterministic ? launch_bwd_main<Tr, kExtras, true>(p, stream, device)
-                           : launch_bwd_main<Tr, kExtras, false>(p, stream, device);
+    if constexpr (Tr::kSplitD) return launch_bwd_main<Tr, kExtras, false>(p, stream, device);
+    else
+      return p.deterministic ? launch_bwd_main<Tr, kExtras, true>(p, stream, device)
+                             : launch_bwd_main<Tr, kExtras, false>(p, stream, device);
   });
   if (err != cudaSuccess) return err;
   return launch_convert_dq<T, kHeadDim>(p, stream, device);

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -40,9 +41,14 @@ template <>
 struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
 };
+template <>
+struct BwdTileConfig<256> {  // BwdSplitDTraits
+  static constexpr int kBlockM = 64, kBlockN = 64, kStages = 2;
+};
 
 template <class Element_, int kHeadDim_>
 struct BwdTraits {
+  static constexpr bool kSplitD = false;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = BwdTileConfig<kHeadDim_>::kBlockM, kBlockN = BwdTileConfig<kHeadDim_>::kBlockN;
@@ -112,5 +118,81 @@ struct BwdTraits {
   static constexpr int kQBytes = kBlockM * kHeadDim_ * int(sizeof(Element));  // one stage of Q or of dO
   static constexpr int kKVBytes = kBlockN * kHeadDim_ * int(sizeof(Element));
 };
+
+// d = 256 (the split-d kernel, bwd_split_d_kernel.cuh). A warpgroup owning 64 keys would hold dK and dV of
+// 2·(64·256)/128 = 256 registers per thread, so here both warpgroups see all kBlockN keys and split the head
+// dim instead, as FlashAttention-3 does at 256:
+//   S = Q·Kᵀ, dP = dO·Vᵀ: queries along M, each warpgroup kBlockN/2 keys (both operands in shared memory);
+//   P and dS go to shared memory (key-contiguous rows), both warpgroups' halves, two buffers;
+//   dV += Pᵀ·dO, dK += dSᵀ·Q, dQ = dS·K: every operand in shared memory, each warpgroup d/2 columns;
+//   dQ is added into dq_accum by vector atomics from registers (its fp32 staging tile, 64 KB, does not fit).
+// Registers per consumer thread: dK + dV 2·(64·128)/128 = 128, S + dP 2·(64·32)/128 = 32, dQ 64 (after S
+//   and dP are gone). Shared memory: K, V 32 + 32, Q and dO 2 stages 2·(32 + 32), P and dS 2·(8 + 8) = 224 KB.
+template <class Element_, int kHeadDim_>
+struct BwdSplitDTraits {
+  static constexpr bool kSplitD = true;
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = BwdTileConfig<kHeadDim_>::kBlockM, kBlockN = BwdTileConfig<kHeadDim_>::kBlockN;
+  static constexpr int kStages = BwdTileConfig<kHeadDim_>::kStages;
+  static constexpr int kMmaWarpGroups = 2;
+  static constexpr int kMmaThreads = kMmaWarpGroups * 128;
+  static constexpr int kNThreads = kMmaThreads + 128;  // + the producer warpgroup
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168,
+                "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
+  static_assert(kBlockM == 64 && kBlockN == 64, "dV and dK take all kBlockN keys as wgmma's M of 64");
+
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim_>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim_>>;
+  using TileS = Shape<Int<kBlockM>, Int<kBlockN>>;  // (query, key)
+
+  // The warpgroups side by side along N: keys for S and dP, head-dim columns for dV, dK and dQ.
+  using AtomSplitN = Layout<Shape<_1, _2, _1>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim_>>>(),
+      AtomSplitN{}));
+  // dV += Pᵀ·dO, dK += dSᵀ·Q: A is P (or dS) read as (key, query), key contiguous; B is dO (or Q) read as
+  // (d, query), d contiguous.
+  using TiledMmaKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim_ / 2>, Int<kBlockM>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      AtomSplitN{}));
+  // dQ = dS·K: A is dS (query, key), key contiguous; B is K read as (d, key), d contiguous.
+  using TiledMmaDq = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim_ / 2>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomSplitN{}));
+
+  using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim_>());
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, TileKV{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim_>, Int<kStages>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // P and dS (query, key, buffer), key contiguous in 128-byte swizzled rows; and as (key, query, buffer).
+  using SmemLayoutPdS = decltype(tile_to_shape(smem_atom_k_major<Element, kBlockN>(),
+                                               Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
+
+  using GmemTensor = typename FwdTraits<Element_, kHeadDim_>::GmemTensor;
+  using GmemShape = typename FwdTraits<Element_, kHeadDim_>::GmemShape;
+  using GmemStride = typename FwdTraits<Element_, kHeadDim_>::GmemStride;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{}, _1{}));
+  struct TmaDq {};  // dQ leaves by atomics
+  using TmaDkv = decltype(make_tma_copy(SM90_TMA_STORE{}, typename FwdTraits<Element_, kHeadDim_>::GmemTensorOut{},
+                                        SmemLayoutKV{}, TileKV{}, _1{}));
+
+  static constexpr int kQBytes = kBlockM * kHeadDim_ * int(sizeof(Element));
+  static constexpr int kKVBytes = kBlockN * kHeadDim_ * int(sizeof(Element));
+};
+
+// The backward's traits of a head dim: the split-d kernel's past 128.
+template <class Element, int kHeadDim>
+using BwdTraitsOf =
+    std::conditional_t<(kHeadDim > 128), BwdSplitDTraits<Element, kHeadDim>, BwdTraits<Element, kHeadDim>>;
 
 }  // namespace jaxflash::sm90

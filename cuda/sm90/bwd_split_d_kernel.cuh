@@ -1,0 +1,212 @@
+// FlashAttention backward for Hopper at head dim 256: the split-d kernel (traits_bwd.cuh, BwdSplitDTraits).
+//
+// The contract, the producer warp, the stats and the epilogue are bwd_kernel.cuh's; what differs is how the two
+// consumer warpgroups share a K/V block of 64 keys. Holding dK and dV of their own keys whole would take 256
+// registers per thread at d = 256, so both warpgroups see all 64 keys and split the head dim:
+//   S = Q·Kᵀ and dP = dO·Vᵀ with the queries along wgmma's M, each warpgroup 32 of the keys;
+//   P and dS element-wise in registers (the (query, key) orientation of bwd_common.cuh's rules), then to
+//   shared memory, where the other warpgroup reads them;
+//   dV += Pᵀ·dO, dK += dSᵀ·Q and dQ = dS·K over all 64 keys, each warpgroup 128 of the head dim's columns;
+//   dQ added into the fp32 dq_accum by vector atomics from registers.
+// P and dS have two buffers: a warpgroup writes the next block's while the other may still read this one.
+// Deterministic mode is not taken (the handler runs the sm80 backward): its ordered adds need dQ staged.
+#pragma once
+
+#include "bwd_kernel.cuh"
+
+namespace jaxflash::sm90 {
+
+using namespace cute;
+
+template <class Tr>
+struct BwdSplitDSharedStorage {
+  using T = typename Tr::Element;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> k;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> v;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> dout;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutPdS>, 1024> p;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutPdS>, 1024> ds;
+  uint64_t kv_full;
+  uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
+  uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
+  float lse2[Tr::kStages][Tr::kBlockM];  // as in BwdSharedStorage
+  float delta[Tr::kStages][Tr::kBlockM];
+  int scratch[4];  // narrow_by_ids
+};
+
+// A thread's accumulator values as T into the same elements of a shared tile, one 32-bit store per pair of
+// adjacent columns (rowcol views of one partition; the swizzle moves whole 16-byte chunks, so a pair stays
+// together). Rows at 128-byte steps with the swizzle: a warp's stores fall on distinct banks.
+template <class T, class AccRC, class SmemRC>
+__forceinline__ __device__ void store_pairs(AccRC const& acc, SmemRC&& s) {
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(acc); ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(acc); c += 2) {
+      cutlass::Array<T, 2> pair;
+      pair[0] = T(acc(r, c));
+      pair[1] = T(acc(r, c + 1));
+      *reinterpret_cast<uint32_t*>(&s(r, c)) = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+  }
+}
+
+template <class Tr, bool kExtras>
+__global__ void __launch_bounds__(Tr::kNThreads, 1)
+    flash_bwd_split_d_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
+  constexpr int kMmaThreads = Tr::kMmaThreads;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<BwdSplitDSharedStorage<Tr>*>(smem_raw);
+  const BwdParams& p = kp.p;
+  const AttnDims& dims = p.dims;
+  const int tid = threadIdx.x;
+  const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int64_t seqlen_q = dims.seqlen_q;
+
+  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kExtras, /*kOrdered=*/false>(p, ss.scratch);
+  const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
+  const BatchMask& bm = w.bm;
+
+  if (tid == 0) init_bwd_barriers<Tr>(ss);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (tid < 32 && n_iters > 0) produce_bwd<Tr>(kp, ss, w, tid);
+    return;
+  }
+
+  // ---- consumers ----
+  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  const int mma_tid = tid - 128;
+  const int wg = warp_group - 1;  // warp-uniform
+  const bool releaser = mma_tid % 128 == 0;
+
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQt{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutPdSt{});
+
+  typename Tr::TiledMmaSdP mma_sdp;
+  typename Tr::TiledMmaKV mma_kv;
+  typename Tr::TiledMmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
+  auto thr_kv = mma_kv.get_thread_slice(mma_tid);
+  auto thr_dq = mma_dq.get_thread_slice(mma_tid);
+  // Shared-memory descriptors partitioned for the warpgroup's first thread (uniform registers; bwd_kernel.cuh).
+  auto wg_sdp = mma_sdp.get_thread_slice(wg * 128);
+  auto wg_kv = mma_kv.get_thread_slice(wg * 128);
+  auto wg_dq = mma_dq.get_thread_slice(wg * 128);
+  Tensor tSrQ = wg_sdp.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_D, stage)
+  Tensor tSrdO = wg_sdp.partition_fragment_A(sdO);
+  Tensor tSrK = wg_sdp.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_D)
+  Tensor tSrV = wg_sdp.partition_fragment_B(sV);
+  Tensor tKVrPt = wg_kv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_M, buffer)
+  Tensor tKVrdSt = wg_kv.partition_fragment_A(sdSt);
+  Tensor tKVrdOt = wg_kv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_M, stage)
+  Tensor tKVrQt = wg_kv.partition_fragment_B(sQt);
+  Tensor tQrdS = wg_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_N, buffer)
+  Tensor tQrKt = wg_dq.partition_fragment_B(sKt);  // (MMA, MMA_D, MMA_N)
+
+  Tensor acc_s = partition_fragment_C(mma_sdp, typename Tr::TileS{});
+  Tensor acc_dp = partition_fragment_C(mma_sdp, typename Tr::TileS{});
+  Tensor acc_dk = partition_fragment_C(mma_kv, typename Tr::TileKV{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, typename Tr::TileKV{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, typename Tr::TileQ{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // (query, key) of every score this thread holds, and (query, d) of its dQ values.
+  Tensor c_s = rowcol(thr_sdp.partition_C(make_identity_tensor(typename Tr::TileS{})));
+  Tensor s_rc = rowcol(acc_s);
+  Tensor dp_rc = rowcol(acc_dp);
+  constexpr int kRows = decltype(size<0>(c_s))::value;
+  Tensor dq_rc = rowcol(acc_dq);
+  Tensor dq_c = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
+
+  const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
+  const BwdExtras extras = kExtras ? BwdExtras(p, w.batch) : BwdExtras();
+  const int64_t dq_row_stride = dims.heads_q * kD;
+
+  // Whether a query block needs the per-key mask, decided once for this K/V block (as bwd_kernel.cuh).
+  const bool mask_always = w.segments || n0 + kN > bm.kv_len;
+  int64_t full_rows_begin, full_rows_end;
+  fully_visible_query_range(bm.m, n0, n0 + kN, &full_rows_begin, &full_rows_end);
+  full_rows_end = cute::min(full_rows_end, bm.q_len);
+  if (n_iters > 0) {
+    ClusterTransactionBarrier::wait(&ss.kv_full, 0);
+    // Keys past kv_len inside the tensor.
+    if (n_valid_end < n_end) zero_tails<Tr>(sK, sV, int(n_valid_end - n0), int(n_end - n0), mma_tid);
+  }
+
+  for (int64_t it = 0; it < n_iters; ++it) {
+    const int64_t head = w.head(it), m_block = w.m_block(it);
+    const int64_t m0 = m_block * kM;
+    const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
+    const int stage = int(it % Tr::kStages), buf = int(it & 1);
+    const uint32_t parity = uint32_t((it / Tr::kStages) & 1);
+
+    ClusterTransactionBarrier::wait(&ss.q_full[stage], parity);
+    ClusterTransactionBarrier::wait(&ss.do_full[stage], parity);
+    const int64_t q_valid_end = cute::min(m_end, bm.q_len);
+    if (q_valid_end < m_end)  // query rows past q_len inside the tensor
+      zero_tails<Tr>(sQ(_, _, stage), sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid);
+    wgmma</*kZeroInit=*/true>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
+    wgmma</*kZeroInit=*/true>(mma_sdp, tSrdO(_, _, _, stage), tSrV, acc_dp);
+    float lse2[kRows], delta[kRows];
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      lse2[r] = ss.lse2[stage][get<0>(c_s(r, 0))];
+      delta[r] = ss.delta[stage][get<0>(c_s(r, 0))];
+    }
+
+    warpgroup_wait<1>();  // S landed; dP still running
+    if (kExtras && p.softcap > 0.f) softcap_scores(acc_s, p.scale, p.softcap);
+    if (mask_always || m0 < full_rows_begin || m_end > full_rows_end)
+      mask_scores<kN, kExtras>(s_rc, c_s, bm, m0, n0);
+    scores_to_probs(s_rc, lse2, score_log2);
+    warpgroup_wait<0>();
+    // dS, and P ∘ Z for dV (a thread's atoms are the two halves of a 16-key dropout group).
+    dprobs_to_dscores<kExtras, 2>(dp_rc, s_rc, c_s, delta, lse2, extras, uint32_t(head), m0, n0);
+    store_pairs<typename Tr::Element>(s_rc, rowcol(thr_sdp.partition_C(sP(_, _, buf))));
+    store_pairs<typename Tr::Element>(dp_rc, rowcol(thr_sdp.partition_C(sdS(_, _, buf))));
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by wgmma
+    NamedBarrier::sync(kMmaThreads, BwdBar::kShared);  // both warpgroups' keys of P and dS written
+
+    wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
+    wgmma</*kZeroInit=*/false>(mma_kv, tKVrPt(_, _, _, buf), tKVrdOt(_, _, _, stage), acc_dv);
+    wgmma</*kZeroInit=*/false>(mma_kv, tKVrdSt(_, _, _, buf), tKVrQt(_, _, _, stage), acc_dk);
+    warpgroup_wait<2>();  // dQ landed; dV and dK still running
+    // Rows past q_len add zeros (their dS is 0): only rows inside the tensor are touched.
+    float* dq_block = p.dq_accum + ((w.batch * seqlen_q + m0) * dims.heads_q + head) * kD;
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(dq_rc); ++r) {
+      const int row = get<0>(dq_c(r, 0));
+      if (m0 + row >= m_end) continue;
+      float* dq_row = dq_block + row * dq_row_stride;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(dq_rc); c += 2)
+        atomic_add_pair(dq_row + get<1>(dq_c(r, c)), dq_rc(r, c), dq_rc(r, c + 1));
+    }
+    warpgroup_wait<0>();
+    if (releaser) {
+      ClusterBarrier::arrive(&ss.q_empty[stage]);
+      ClusterBarrier::arrive(&ss.do_empty[stage]);
+    }
+  }
+
+  store_dkdv<Tr>(kp, ss, w, rowcol(acc_dk), rowcol(acc_dv), thr_kv, mma_tid);
+}
+
+}  // namespace jaxflash::sm90
