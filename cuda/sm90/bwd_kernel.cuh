@@ -2,7 +2,8 @@
 //
 // The math and the contract are the sm80 backward's (bwd_common.cuh: P recomputed from the LSE, dS = P ∘ (dP −
 // delta), softcap's exact gradient, rows that see no key give zero gradients; dK, dV summed over a GQA group).
-// The preprocess and convert kernels are shared; this file holds the main kernel, K/V-stationary:
+// The preprocess and convert kernels are shared; this file holds the main kernel of head dims up to 128 (and the
+// producer, barriers and dK/dV epilogue that the d = 256 kernel, bwd_split_d_kernel.cuh, shares), K/V-stationary:
 //   one block per (K/V block of kBlockN keys, batch, K/V head) keeps K and V in shared memory and dK, dV in
 //   registers, and visits every query block of every head of the group that can see its keys.
 //   producer warp:  TMA of K and V once, then of Q and dO per query block into kStages stages, with the
