@@ -64,7 +64,12 @@ struct OnlineSoftmax {
 
   // The three steps of update, for kernels that rescale O later (while P·V of the previous block is still
   // running): the new maxima and the factors O needs (returns whether any row's max moved), ...
-  template <class TS>
+  //
+  // kSlackLog2 > 0: a row keeps its max until a block's exceeds it by more than kSlackLog2 in the exponent
+  // (log2 units). Its probabilities then stay below 2^kSlackLog2, harmless in fp32 sums and bf16/fp16 P, and
+  // since the sum and O are taken against the same max the result is unchanged but for rounding; O is rescaled
+  // only when a row's max really jumps (mostly the first block), not whenever a new key is a little larger.
+  template <int kSlackLog2 = 0, class TS>
   __forceinline__ __device__ bool update_max(TS const& s, float scale_log2, float (&correction)[kNRows]) {
     static_assert(decltype(cute::size<0>(s))::value == kNRows);
     bool max_moved = false;
@@ -75,6 +80,13 @@ struct OnlineSoftmax {
       for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      if constexpr (kSlackLog2 > 0) {
+        // −inf to finite is +inf > slack (moves); −inf to −inf is NaN (stays).
+        if (!((m - row_max[r]) * scale_log2 > float(kSlackLog2))) {
+          correction[r] = 1.f;
+          continue;
+        }
+      }
       max_moved |= m != row_max[r];
       const float m_safe = m == -INFINITY ? 0.f : m;
       correction[r] = exp2f((row_max[r] - m_safe) * scale_log2);  // 0 while row_max is −inf
