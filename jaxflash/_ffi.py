@@ -98,7 +98,8 @@ def fwd(q, k, v, operands, cfg):
         call = jax.ffi.ffi_call("jaxflash_fwd", (_typeof(q), _stat_type(q)), vmap_method="broadcast_all")
         return call(q, k, v, *operands, **_attrs(cfg))
     n = 0 if cfg.dropout_rate > 0 else _splits(q, k.shape[-3], k.shape[-2])
-    call = jax.ffi.ffi_call("jaxflash_fwd", (_typeof(q), _stat_type(q), *_workspaces(q, n)),
+    scratch = _split_tile_floats(q, k, cfg) if n == 0 else 0
+    call = jax.ffi.ffi_call("jaxflash_fwd", (_typeof(q), _stat_type(q), *_workspaces(q, n, scratch)),
                             vmap_method="broadcast_all")
     return tuple(call(q, k, v, *operands, **_attrs(cfg))[:2])
 
@@ -118,18 +119,32 @@ def _splits(q, seqlen_k, heads_k, num_splits=None) -> int:
     return int(_jaxflash_cuda.decode_num_splits(batch, q.shape[-3], q.shape[-2], heads_k, seqlen_k, q.shape[-1]))
 
 
-def _workspaces(q, n):
+def _split_tile_floats(q, k, cfg) -> int:
+    """Floats of scratch the sm90 forward may use to share its last tiles between all SMs: only when every tile
+    costs the same (no window, causal mask, segment ids or lengths); 0 otherwise or without a GPU to ask."""
+    if (_jaxflash_cuda is None or not hasattr(_jaxflash_cuda, "fwd_split_floats") or cfg.window_left >= 0
+            or cfg.window_right >= 0 or cfg.segment_ids or cfg.lengths):
+        return 0
+    batch = int(np.prod(q.shape[:-3], dtype=np.int64))
+    return int(_jaxflash_cuda.fwd_split_floats(batch, q.shape[-3], q.shape[-2], k.shape[-3], q.shape[-1]))
+
+
+def _workspaces(q, n, scratch=0):
     """Types of the decode kernel's fp32 split workspaces, [n, *q.shape] and [n, *lse.shape]; n = 0 when the
-    keys are not split (the kernel then writes o and lse directly)."""
+    keys are not split (the kernel then writes o and lse directly). Unsplit, the second may hold `scratch`
+    floats for the sm90 forward instead, as [m, *lse.shape] (rounded up to whole lse shapes)."""
     n = n if n > 1 else 0
+    lse_size = int(np.prod(_stat_type(q).shape, dtype=np.int64))
+    m = n if n or not scratch or not lse_size else -(-scratch // lse_size)
     out = []
-    for t in (_typeof(q), _stat_type(q)):
+    for t, lead in ((_typeof(q), n), (_stat_type(q), m)):
         sharding = getattr(t, "sharding", None)
         spec = tuple(getattr(sharding, "spec", ()) or ())
         if len(spec) == len(t.shape) and any(x is not None for x in spec):
-            out.append(t.update(shape=(n, *t.shape), dtype=jnp.float32, sharding=sharding.update(spec=P(None, *spec))))
+            out.append(t.update(shape=(lead, *t.shape), dtype=jnp.float32,
+                                sharding=sharding.update(spec=P(None, *spec))))
         else:
-            out.append(t.update(shape=(n, *t.shape), dtype=jnp.float32))
+            out.append(t.update(shape=(lead, *t.shape), dtype=jnp.float32))
     return out
 
 

@@ -123,3 +123,57 @@ def test_forward_64bit_offsets():
     np.testing.assert_allclose(np.asarray(o[1, :, 0], np.float32), np.asarray(o_ref), rtol=0, atol=2e-2)
     assert float(jnp.max(jnp.abs(o_ref[0]))) > 0.5  # row 0 really is dominated by one far V row
     assert np.all(np.isfinite(np.asarray(o, np.float32)))
+
+
+# Shapes whose tiles (128 query rows each) leave a partial last round on the 132 SMs of an H100/H200, so the
+# sm90 forward shares the last tiles' K/V blocks between all SMs (cuda/sm90/schedule.h): (lead, Sq, Sk, Hq, Hk,
+# D, dtype). Pieces of 2 blocks in 8 parts per tile; 2-3 parts with partial last query and key blocks and
+# blocks holding the end of one tile and the start of the next; GQA; D=64 (192-key blocks) and D=256 (80).
+SPLIT_CASES = [
+    ((1,), 2048, 2048, 9, 9, 128, "bfloat16"),
+    ((2,), 3000, 1500, 5, 5, 128, "float16"),
+    ((1,), 1024, 1024, 18, 3, 128, "bfloat16"),
+    ((1,), 1024, 4000, 17, 17, 64, "bfloat16"),
+    ((3,), 512, 2000, 12, 4, 256, "bfloat16"),
+]
+
+
+def _splits_tiles(lead, sq, sk, hq, d):
+    cuda = getattr(_ffi, "_jaxflash_cuda", None)
+    return cuda is not None and cuda.fwd_split_floats(int(np.prod(lead)), sq, hq, sk, d) > 0
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_forward_split_tiles(case):
+    """The pieces of split tiles merged into O and the LSE, against the oracle; bitwise the same on a rerun
+    (the pieces are summed in a fixed order, whichever finishes last)."""
+    lead, sq, sk, hq, hk, d, dtype = case
+    if (dtype, d) not in FWD_CONFIGS:
+        pytest.skip(f"{dtype} d={d} not compiled")
+    if not _splits_tiles(lead, sq, sk, hq, d):
+        pytest.skip("this GPU does not split these tiles (not an sm90 device with 132 SMs)")
+    q, k, v, _ = make_inputs(sq + sk + d, lead, sq, sk, hq, hk, d, jnp.dtype(dtype))
+    _check(q, k, v, False, dtype, f"split {case}")
+    first = _run(q, k, v, False)
+    again = _run(q, k, v, False)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("extra", ("softcap", "dropout"))
+def test_forward_split_tiles_extras(extra):
+    """Softcap and dropout in the split pieces: the same keep bits as jaxflash.dropout_mask (the oracle's)."""
+    lead, sq, sk, hq, hk, d, dtype = (1,), 2048, 1024, 9, 3, 128, "bfloat16"
+    if not _splits_tiles(lead, sq, sk, hq, d):
+        pytest.skip("this GPU does not split these tiles (not an sm90 device with 132 SMs)")
+    q, k, v, _ = make_inputs(77, lead, sq, sk, hq, hk, d, jnp.bfloat16)
+    key, rate = jax.random.key(11), 0.25
+    kw = dict(softcap=20.0) if extra == "softcap" else dict(dropout_rate=rate, dropout_key=key)
+    poison(q, jax.ShapeDtypeStruct((*lead, hq, sq), jnp.float32))
+    o, lse = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, return_lse=True, backend="cuda", **kw))(q, k, v)
+    o_naive, lse_naive = jaxflash.reference.attention_with_lse(q, k, v, **kw)
+    keep = np.asarray(jaxflash.dropout_mask(key, lead[0], hq, sq, sk, rate)) if extra == "dropout" else None
+    o_ref, lse_ref = oracle.attention(f64(q), f64(k), f64(v), softcap=kw.get("softcap"), keep=keep,
+                                      rate=rate if keep is not None else 0.0)
+    check_close("o", o, o_ref, o_naive, dtype, f"split {extra}")
+    check_close("lse", lse, lse_ref, lse_naive, dtype, f"split {extra}")

@@ -74,6 +74,10 @@ struct FwdParams {
   float softcap = 0.0f;  // > 0: scores become softcap * tanh(scores / softcap) before the softmax
   MaskParams mask;
   DropoutParams dropout;
+  // Scratch of a kernel that splits tiles between thread blocks (the sm90 forward: sm90/schedule.h), an FFI
+  // output; null: no split.
+  float* workspace = nullptr;
+  int64_t workspace_floats = 0;
 };
 
 struct BwdParams {

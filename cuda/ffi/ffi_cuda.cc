@@ -23,6 +23,7 @@
 #include "decode_paged.h"
 #include "device_info.h"
 #include "dispatch.h"
+#include "sm90/schedule.h"
 
 namespace nb = nanobind;
 
@@ -129,7 +130,8 @@ ffi::Error LaunchDecode(const char* target, DType dtype, DecodeParams& p, ffi::R
 }
 
 // jaxflash_fwd. The split workspaces are empty unless Python expects the decode kernel to take the call
-// (decode_num_splits > 1); the kernel never reads them otherwise.
+// (decode_num_splits > 1); otherwise lse_part may hold the sm90 forward's scratch for split tiles
+// (fwd_split_floats), which the kernel uses only when it is large enough.
 ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::U32> dropout_state, ffi::Result<ffi::AnyBuffer> o,
@@ -151,6 +153,8 @@ ffi::Error FwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   if (family == Family::kDecode) return LaunchDecode(kFwdTarget, dtype, dp, o_part, lse_part, stream, device);
   if (auto e = CheckGrid(kFwdTarget, p.dims); e.failure()) return e;
   if (q.element_count() == 0) return ffi::Error::Success();  // nothing to write: never launch an empty grid
+  p.workspace = lse_part->element_count() > 0 ? lse_part->typed_data() : nullptr;
+  p.workspace_floats = int64_t(lse_part->element_count());
   if (cudaError_t err = run_fwd(family, dtype, int(p.dims.head_dim), p, stream, device); err != cudaSuccess)
     return CudaFailed(kFwdTarget, "kernel launch", err);
   return ffi::Error::Success();
@@ -273,4 +277,45 @@ NB_MODULE(_jaxflash_cuda, m) {
       nb::arg("head_dim"), nb::arg("device") = 0,
       "Key splits of the decode kernel for this forward call without dropout on `device`: 1 for none, 0 when the "
       "decode kernel does not take the call (too many query rows per K/V head). Static per shape.");
+  m.def(
+      "fwd_split_floats",
+      [](int64_t batch, int64_t seqlen_q, int64_t heads_q, int64_t seqlen_k, int64_t head_dim, int device) -> int64_t {
+        namespace sm90 = jaxflash::sm90;
+        jaxflash::DeviceInfo info;
+        if (jaxflash::device_info(device, &info) != cudaSuccess || info.cc_major != 9 || info.cc_minor != 0 ||
+            !jaxflash::is_compiled(jaxflash::Family::kSm90, jaxflash::Pass::kFwd, jaxflash::DType::kBF16, head_dim))
+          return 0;
+        const int64_t tiles = batch * heads_q * ((seqlen_q + sm90::kFwdTileRows - 1) / sm90::kFwdTileRows);
+        // Worth a split: a partial last round and pieces of at least kTailMinBlocks blocks (of >= 64 keys).
+        if (tiles % info.multiprocessors == 0 || seqlen_k < 2 * sm90::kTailMinBlocks * 64) return 0;
+        return sm90::tail_workspace_floats(head_dim, info.multiprocessors);
+      },
+      nb::arg("batch"), nb::arg("seqlen_q"), nb::arg("heads_q"), nb::arg("seqlen_k"), nb::arg("head_dim"),
+      nb::arg("device") = 0,
+      "Floats of scratch the sm90 forward may use on `device` to split its last tiles between all SMs, for a call "
+      "whose tiles cost alike (no window, causal mask, segment ids or lengths); 0 when it would not split.");
+  m.def(
+      "fwd_split_schedule",
+      [](int64_t tiles, int64_t n_blocks, int64_t grid, int64_t head_dim) {
+        namespace sm90 = jaxflash::sm90;
+        // A workspace of the size asked for, never touched: the schedule only looks at the pointer.
+        const sm90::TailSchedule s = sm90::make_tail_schedule(tiles, n_blocks, grid, head_dim,
+                                                              reinterpret_cast<float*>(alignof(float)),
+                                                              sm90::tail_workspace_floats(head_dim, grid));
+        std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int, int, int64_t, std::vector<int64_t>>>> out;
+        for (int64_t b = 0; b < grid; ++b) {
+          out.emplace_back();
+          sm90::FwdUnit u;
+          for (int64_t step = 0; sm90::fwd_unit(s, b, grid, step, &u); ++step) {
+            std::vector<int64_t> slots;
+            for (int part = 0; u.parts > 1 && part < u.parts; ++part) slots.push_back(sm90::tail_slot_of(s, u.tail, part));
+            out.back().emplace_back(u.tile, u.block_lo, u.block_hi, u.part, u.parts, u.slot, slots);
+          }
+        }
+        return out;
+      },
+      nb::arg("tiles"), nb::arg("n_blocks"), nb::arg("grid"), nb::arg("head_dim"),
+      "The sm90 forward's units of work per thread block for `tiles` tiles of `n_blocks` K/V blocks on `grid` "
+      "blocks, given the workspace: (tile, first block, end block, part, parts, slot, the slots of every part) "
+      "each, blocks -1 for a whole tile (for tests; no GPU needed).");
 }

@@ -13,6 +13,9 @@
 //                    handshake alternates the two consumers' GEMM batches on the tensor cores, so one
 //                    warpgroup's softmax hides under the other's GEMMs. O leaves through shared memory and
 //                    one TMA store per consumer where shared memory allows (d=64, 128).
+// Tiles that cost alike are taken round robin but for the last ones, whose K/V blocks are shared out between
+// all blocks (schedule.h); a piece of a tile leaves its partial state in the workspace, and the last piece
+// to finish merges them.
 // Keys past the visible range inside the tensor (past kv_len, or a window's far side) may hold anything, even
 // NaN; P is 0 there, but 0·NaN is not, so the producer zeroes those rows of the one partial V block.
 #pragma once
@@ -30,6 +33,7 @@
 #include "mask.h"
 #include "mask_tile.cuh"
 #include "params.h"
+#include "schedule.h"
 #include "softmax.cuh"
 #include "traits.cuh"
 
@@ -46,6 +50,7 @@ struct FwdKernelParams {
   typename Tr::TmaQ tma_q;
   typename Tr::TmaKV tma_k, tma_v;
   typename Tr::TmaO tma_o;  // used when Tr::kStoreOViaSmem
+  TailSchedule tail;        // which tiles are taken whole and how the rest are split (schedule.h)
 };
 
 template <class Tr>
@@ -63,6 +68,7 @@ struct FwdSharedStorage {
   int scratch[4];      // narrow_by_ids
   int64_t first_keys[2];  // the first tile's key range after narrowing by segment ids
   bool first_pure;        // and whether the ids hide nothing inside it
+  int last_piece[2];      // per consumer: whether this piece of a split tile finished the tile
 };
 
 // One batch of wgmmas: acc (+)= A·B over the K mode, issued and committed but not waited for.
@@ -178,7 +184,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   const int tid = threadIdx.x;
   const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
-  const int64_t num_tiles = (seqlen_q + kM - 1) / kM * dims.heads_q * dims.batch;
   const int64_t q_row_stride = dims.heads_q * kD;
 
   if (tid == 0) {
@@ -216,6 +221,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     set_block_range(t, kN);
     return t;
   };
+  // A piece of a split tile sees only its K/V blocks.
+  auto unit_tile = [&](const FwdUnit& u) {
+    FwdTile t = tile_at(u.tile);
+    if (u.block_lo >= 0) {
+      t.n_block_min = int(u.block_lo);
+      t.n_block_max = int(u.block_hi);
+      t.key_begin = cute::max(t.key_begin, u.block_lo * kN);
+      t.key_end = cute::min(t.key_end, u.block_hi * kN);
+    }
+    return t;
+  };
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -239,8 +255,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     Tensor mK = kp.tma_k.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
     Tensor mV = kp.tma_v.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
     int it = 0, tiles_done = 0, partials_done = 0;
-    for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const FwdTile t = tile_at(tile);
+    FwdUnit u;
+    for (int64_t step = 0; fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, &u); ++step) {
+      const FwdTile t = unit_tile(u);
       const int n_iters = t.n_iters();
       if (n_iters <= 0) continue;  // the consumers write zeros; no barrier is touched
       Tensor gQ = local_tile(mQ(_, _, int32_t(t.head), int32_t(t.batch)), typename Tr::TileQ{},
@@ -329,10 +346,68 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   auto release = [&](uint64_t* bars, int it) {
     if (releaser) ClusterBarrier::arrive(&bars[stage_of(it)]);
   };
+  // A piece of a split tile: this thread's partial state (O unnormalised, then its rows' max and sum) into
+  // the piece's slot, a thread's 16 bytes next to its neighbours' (coalesced). The consumer that completes
+  // its tile's count sums every piece in piece order into softmax and o and returns true; else false.
+  auto finish_piece = [&](const FwdUnit& u, OnlineSoftmax<kRows>& sm, auto& o) -> bool {
+    static_assert(kRows == 2 && decltype(size<1>(o))::value % 4 == 0);
+    constexpr int kCols = decltype(size<1>(o))::value, kStats = kRows * kCols / 4;  // float4 of O per thread
+    const TailSchedule& ts = kp.tail;
+    auto slot = [&](int64_t index) {
+      return reinterpret_cast<float4*>(ts.partials + index * tail_slot_floats(kD)) + mma_tid;
+    };
+    float4* mine = slot(u.slot);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; c += 4)
+        mine[(r * kCols + c) / 4 * kFwdConsumerThreads] = make_float4(o(r, c), o(r, c + 1), o(r, c + 2), o(r, c + 3));
+    }
+    mine[kStats * kFwdConsumerThreads] = make_float4(sm.row_max[0], sm.row_max[1], sm.row_sum[0], sm.row_sum[1]);
+    __threadfence();  // the slot before the count
+    NamedBarrier::sync(128, kBarOStore + wg);
+    if (releaser) ss.last_piece[wg] = atomicAdd(ts.counters + 2 * u.tail + wg, 1) == u.parts - 1;
+    NamedBarrier::sync(128, kBarOStore + wg);
+    if (!ss.last_piece[wg]) return false;
+    __threadfence();  // the count before the other pieces' slots
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      sm.row_max[r] = -INFINITY;
+      sm.row_sum[r] = 0.f;
+    }
+    clear(acc_o);
+    for (int part = 0; part < u.parts; ++part) {
+      const float4* from = slot(tail_slot_of(ts, u.tail, part));
+      const float4 st = __ldcg(from + kStats * kFwdConsumerThreads);
+      const float part_max[2] = {st.x, st.y}, part_sum[2] = {st.z, st.w};
+      float keep[2], add[2];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const float m = fmaxf(sm.row_max[r], part_max[r]), m_safe = m == -INFINITY ? 0.f : m;
+        keep[r] = exp2f((sm.row_max[r] - m_safe) * scale_log2);
+        add[r] = exp2f((part_max[r] - m_safe) * scale_log2);
+        sm.row_max[r] = m;
+        sm.row_sum[r] = sm.row_sum[r] * keep[r] + part_sum[r] * add[r];
+      }
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; c += 4) {
+          const float4 v = __ldcg(from + (r * kCols + c) / 4 * kFwdConsumerThreads);
+          o(r, c) = o(r, c) * keep[r] + v.x * add[r];
+          o(r, c + 1) = o(r, c + 1) * keep[r] + v.y * add[r];
+          o(r, c + 2) = o(r, c + 2) * keep[r] + v.z * add[r];
+          o(r, c + 3) = o(r, c + 3) * keep[r] + v.w * add[r];
+        }
+      }
+    }
+    return true;
+  };
 
   int it = 0, tiles_done = 0;
-  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const FwdTile t = tile_at(tile);
+  FwdUnit u;
+  for (int64_t step = 0; fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, &u); ++step) {
+    const FwdTile t = unit_tile(u);
     const int n_iters = t.n_iters();
     float* lse_row = p.lse + (t.batch * dims.heads_q + t.head) * seqlen_q + t.m0;
     T* o_base = static_cast<T*>(p.o) + t.batch * seqlen_q * q_row_stride + t.head * kD;
@@ -420,6 +495,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     }
     it += n_iters;
     ++tiles_done;
+    if (kp.tail.sk_ctas > 0) {
+      // The unit once more from its step (opaque), rather than its fields held in registers through the loop.
+      int64_t again = step;
+      asm volatile("" : "+l"(again));
+      fwd_unit(kp.tail, blockIdx.x, gridDim.x, again, &u);
+      if (u.parts > 1 && !finish_piece(u, softmax, o_rc)) continue;  // another piece of the tile finishes it
+    }
 
     // ---- epilogue: normalise and write this thread's rows of O (pairs of columns) and LSE ----
     float lse[kRows];

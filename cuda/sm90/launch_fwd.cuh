@@ -33,7 +33,7 @@ auto make_tma(const void* ptr, int64_t rows, int64_t heads, int64_t batch, SmemL
 }
 
 template <class Tr, bool kExtras>
-cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool persistent) {
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool persistent, bool uniform) {
   constexpr auto kKernel = &flash_fwd_kernel<Tr, kExtras>;
   constexpr int kSmemBytes = int(sizeof(FwdSharedStorage<Tr>));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
@@ -43,7 +43,18 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool
   if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;
   DeviceInfo info;
   if (cudaError_t err = device_info(device, &info); err != cudaSuccess) return err;
-  const int64_t grid = persistent ? std::min<int64_t>(tiles, info.multiprocessors) : tiles;
+  // Tiles that cost alike: the last ones split between all SMs (schedule.h), counters zeroed first.
+  const int64_t n_blocks = (d.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
+  const TailSchedule tail = persistent && uniform ? make_tail_schedule(tiles, n_blocks, info.multiprocessors,
+                                                                       Tr::kHeadDim, p.workspace, p.workspace_floats)
+                                                  : TailSchedule{tiles, n_blocks};
+  if (tail.sk_ctas > 0)
+    if (cudaError_t err = cudaMemsetAsync(tail.counters, 0, 2 * (tiles - tail.dp_tiles) * sizeof(int), stream);
+        err != cudaSuccess)
+      return err;
+  const int64_t grid = tail.sk_ctas > 0 ? info.multiprocessors
+                       : persistent     ? std::min<int64_t>(tiles, info.multiprocessors)
+                                        : tiles;
   const auto kv_layout = take<0, 2>(typename Tr::SmemLayoutKV{});
   const FwdKernelParams<Tr> kp{
       p,
@@ -53,6 +64,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool
       make_tma_copy(SM90_TMA_STORE{},
                     gmem_view<Tr>(static_cast<typename Tr::Element*>(p.o), d.seqlen_q, d.heads_q, d.batch),
                     typename Tr::SmemLayoutO{}, typename Tr::TileO{}, _1{}),
+      tail,
   };
   kKernel<<<dim3(unsigned(grid)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
   return cudaPeekAtLastError();
@@ -65,8 +77,9 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream, int device) {
   // would leave the blocks of light tiles idle, and no segment ids (the kernel narrows those per block).
   const MaskParams& m = params.mask;
   const bool persistent = m.window_left < 0 && m.window_right < 0 && m.q_segment_ids == nullptr;
+  const bool uniform = persistent && m.q_lengths == nullptr && m.kv_lengths == nullptr;  // every tile alike
   return with_extras(params, [&](auto extras) {
-    return launch_fwd<Tr, decltype(extras)::value>(params, stream, device, persistent);
+    return launch_fwd<Tr, decltype(extras)::value>(params, stream, device, persistent, uniform);
   });
 }
 

@@ -18,6 +18,8 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
+#include "schedule.h"
+
 namespace jaxflash::sm90 {
 
 using namespace cute;
@@ -65,6 +67,7 @@ struct FwdTraits {
   static_assert(kMmaWarpGroups == 2 && kProducerRegs + 2 * kConsumerRegs == 3 * 168,
                 "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
   static_assert(kBlockN % 16 == 0 && kHeadDim_ % 16 == 0);
+  static_assert(kBlockM == kFwdTileRows && kMmaThreads == kFwdConsumerThreads, "schedule.h's tile");
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim_>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim_>>;
