@@ -306,7 +306,7 @@ NB_MODULE(_jaxflash_cuda, m) {
         for (int64_t b = 0; b < grid; ++b) {
           out.emplace_back();
           sm90::FwdUnit u;
-          for (int64_t step = 0; sm90::fwd_unit(s, b, grid, step, &u); ++step) {
+          for (uint32_t step = 0; sm90::fwd_unit(s, uint32_t(b), uint32_t(grid), step, &u); ++step) {
             std::vector<int64_t> slots;
             for (int part = 0; u.parts > 1 && part < u.parts; ++part) slots.push_back(sm90::tail_slot_of(s, u.tail, part));
             out.back().emplace_back(u.tile, u.block_lo, u.block_hi, u.part, u.parts, u.slot, slots);

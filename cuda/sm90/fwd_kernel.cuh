@@ -225,10 +225,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   auto unit_tile = [&](const FwdUnit& u) {
     FwdTile t = tile_at(u.tile);
     if (u.block_lo >= 0) {
-      t.n_block_min = int(u.block_lo);
-      t.n_block_max = int(u.block_hi);
-      t.key_begin = cute::max(t.key_begin, u.block_lo * kN);
-      t.key_end = cute::min(t.key_end, u.block_hi * kN);
+      t.n_block_min = u.block_lo;
+      t.n_block_max = u.block_hi;
+      t.key_begin = cute::max(t.key_begin, int64_t(u.block_lo) * kN);
+      t.key_end = cute::min(t.key_end, int64_t(u.block_hi) * kN);
     }
     return t;
   };
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     Tensor mV = kp.tma_v.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
     int it = 0, tiles_done = 0, partials_done = 0;
     FwdUnit u;
-    for (int64_t step = 0; fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, &u); ++step) {
+    for (uint32_t step = 0; fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, &u); ++step) {
       const FwdTile t = unit_tile(u);
       const int n_iters = t.n_iters();
       if (n_iters <= 0) continue;  // the consumers write zeros; no barrier is touched
@@ -353,8 +353,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     static_assert(kRows == 2 && decltype(size<1>(o))::value % 4 == 0);
     constexpr int kCols = decltype(size<1>(o))::value, kStats = kRows * kCols / 4;  // float4 of O per thread
     const TailSchedule& ts = kp.tail;
-    auto slot = [&](int64_t index) {
-      return reinterpret_cast<float4*>(ts.partials + index * tail_slot_floats(kD)) + mma_tid;
+    auto slot = [&](int index) {
+      return reinterpret_cast<float4*>(ts.partials + int64_t(index) * tail_slot_floats(kD)) + mma_tid;
     };
     float4* mine = slot(u.slot);
     CUTE_UNROLL
@@ -368,7 +368,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     NamedBarrier::sync(128, kBarOStore + wg);
     if (releaser) ss.last_piece[wg] = atomicAdd(ts.counters + 2 * u.tail + wg, 1) == u.parts - 1;
     NamedBarrier::sync(128, kBarOStore + wg);
-    if (!ss.last_piece[wg]) return false;
+    // Through a shuffle the compiler sees the decision as warp-uniform: a branch on the shared-memory flag
+    // itself made the tile loop divergent, and its block indices moved from uniform to vector registers.
+    if (!__shfl_sync(0xffffffffu, ss.last_piece[wg], 0)) return false;
     __threadfence();  // the count before the other pieces' slots
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -406,7 +408,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
 
   int it = 0, tiles_done = 0;
   FwdUnit u;
-  for (int64_t step = 0; fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, &u); ++step) {
+  for (uint32_t step = 0; fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, &u); ++step) {
     const FwdTile t = unit_tile(u);
     const int n_iters = t.n_iters();
     float* lse_row = p.lse + (t.batch * dims.heads_q + t.head) * seqlen_q + t.m0;
@@ -496,11 +498,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     it += n_iters;
     ++tiles_done;
     if (kp.tail.sk_ctas > 0) {
-      // The unit once more from its step (opaque), rather than its fields held in registers through the loop.
-      int64_t again = step;
-      asm volatile("" : "+l"(again));
-      fwd_unit(kp.tail, blockIdx.x, gridDim.x, again, &u);
-      if (u.parts > 1 && !finish_piece(u, softmax, o_rc)) continue;  // another piece of the tile finishes it
+      // The unit once more from its step (through a shuffle, so the compiler neither keeps the first result's
+      // fields in registers through the loop nor sees the copy as divergent).
+      FwdUnit piece;
+      fwd_unit(kp.tail, blockIdx.x, gridDim.x, __shfl_sync(0xffffffffu, step, 0), &piece);
+      if (piece.parts > 1 && !finish_piece(piece, softmax, o_rc)) continue;  // another piece finishes the tile
     }
 
     // ---- epilogue: normalise and write this thread's rows of O (pairs of columns) and LSE ----

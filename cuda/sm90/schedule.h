@@ -25,7 +25,9 @@ namespace jaxflash::sm90 {
 constexpr int kFwdTileRows = 128;        // every head dim's kBlockM (traits.cuh asserts it)
 constexpr int kFwdConsumerThreads = 256;  // two consumer warpgroups
 constexpr int64_t kTailMaxParts = 8;      // a split tile goes to at most this many blocks,
-constexpr int64_t kTailMinBlocks = 2;     // each piece at least this many K/V blocks
+constexpr int64_t kTailMinBlocks = 16;    // each block's share at least this many K/V blocks (a piece pays a
+                                          // tile's prologue and epilogue: 8-block tiles at S = 1k ran 4 % slower
+                                          // split, measured)
 
 // One piece's floats: per consumer thread its d/2 values of O, then its two rows' max and (partial) sum.
 JAXFLASH_SCHED_HD int64_t tail_slot_floats(int64_t head_dim) { return kFwdConsumerThreads * (head_dim / 2 + 4); }
@@ -36,11 +38,13 @@ JAXFLASH_SCHED_HD int64_t tail_workspace_floats(int64_t head_dim, int64_t grid) 
   return 2 * grid * tail_slot_floats(head_dim) + 2 * grid;
 }
 
+// 32-bit (work x grid < 2^32, or no split): 64-bit divisions are calls in device code, and calls in the tile
+// loop cost the kernel's inner loops their uniform registers (measured in the SASS).
 struct TailSchedule {
-  int64_t dp_tiles = 0;  // tiles [0, dp_tiles) are taken whole; no split: every tile
-  int64_t n_blocks = 0;  // K/V blocks per tile
-  int64_t work = 0;      // K/V blocks of the split tiles [dp_tiles, tiles), shared by blocks [0, sk_ctas)
-  int64_t sk_ctas = 0;   // 0: no split
+  uint32_t dp_tiles = 0;  // tiles [0, dp_tiles) are taken whole; no split: every tile
+  uint32_t n_blocks = 0;  // K/V blocks per tile
+  uint32_t work = 0;      // K/V blocks of the split tiles [dp_tiles, tiles), shared by blocks [0, sk_ctas)
+  uint32_t sk_ctas = 0;   // 0: no split
   float* partials = nullptr;  // slot 2c + s: piece s of block c
   int* counters = nullptr;    // 2 j + consumer: pieces of split tile j done; zeroed before the launch
 };
@@ -50,17 +54,18 @@ struct TailSchedule {
 inline TailSchedule make_tail_schedule(int64_t tiles, int64_t n_blocks, int64_t grid, int64_t head_dim,
                                        float* workspace, int64_t floats) {
   TailSchedule s;
-  s.dp_tiles = tiles;
-  s.n_blocks = n_blocks;
+  s.dp_tiles = uint32_t(tiles);  // < 2^30: the handler's grid check
+  s.n_blocks = uint32_t(n_blocks);
   const int64_t tail = tiles % grid;
   if (tail == 0 || workspace == nullptr || floats < tail_workspace_floats(head_dim, grid)) return s;
   const int64_t work = tail * n_blocks;
+  if (work * (grid + 1) >= (int64_t(1) << 32)) return s;
   int64_t ctas = grid < tail * kTailMaxParts ? grid : tail * kTailMaxParts;
   if (ctas > work / kTailMinBlocks) ctas = work / kTailMinBlocks;
   if (ctas <= tail || 8 * ((work + ctas - 1) / ctas) > 7 * n_blocks) return s;
-  s.dp_tiles = tiles - tail;
-  s.work = work;
-  s.sk_ctas = ctas;
+  s.dp_tiles = uint32_t(tiles - tail);
+  s.work = uint32_t(work);
+  s.sk_ctas = uint32_t(ctas);
   s.partials = workspace;
   s.counters = reinterpret_cast<int*>(workspace + 2 * grid * tail_slot_floats(head_dim));
   return s;
@@ -69,47 +74,47 @@ inline TailSchedule make_tail_schedule(int64_t tiles, int64_t n_blocks, int64_t 
 // One unit of a block's work: a whole tile, or a piece (K/V blocks [block_lo, block_hi)) of split tile
 // `tail`, the part-th of its `parts`, in slot `slot`.
 struct FwdUnit {
-  int64_t tile = 0;
-  int64_t block_lo = -1, block_hi = -1;  // -1: the whole tile
-  int64_t tail = -1, slot = -1;
+  uint32_t tile = 0;
+  int block_lo = -1, block_hi = -1;  // -1: the whole tile
+  int tail = -1, slot = -1;
   int part = 0, parts = 1;
 };
 
 // The block whose range holds split block u, and where that block's range starts.
-JAXFLASH_SCHED_HD int64_t tail_cta_of(const TailSchedule& s, int64_t u) { return ((u + 1) * s.sk_ctas - 1) / s.work; }
-JAXFLASH_SCHED_HD int64_t tail_range_begin(const TailSchedule& s, int64_t c) { return c * s.work / s.sk_ctas; }
+JAXFLASH_SCHED_HD uint32_t tail_cta_of(const TailSchedule& s, uint32_t u) { return ((u + 1) * s.sk_ctas - 1) / s.work; }
+JAXFLASH_SCHED_HD uint32_t tail_range_begin(const TailSchedule& s, uint32_t c) { return c * s.work / s.sk_ctas; }
 
 // The slot of piece `part` of split tile j: piece s of the block that holds it, s = 1 when that block's range
 // began in an earlier tile.
-JAXFLASH_SCHED_HD int64_t tail_slot_of(const TailSchedule& s, int64_t j, int part) {
-  const int64_t c = tail_cta_of(s, j * s.n_blocks) + part;
-  return 2 * c + (tail_range_begin(s, c) < j * s.n_blocks ? 1 : 0);
+JAXFLASH_SCHED_HD int tail_slot_of(const TailSchedule& s, uint32_t j, int part) {
+  const uint32_t c = tail_cta_of(s, j * s.n_blocks) + uint32_t(part);
+  return int(2 * c + (tail_range_begin(s, c) < j * s.n_blocks ? 1 : 0));
 }
 
 // Unit `step` of block b: its whole tiles first, then the (at most two) pieces of its range; false past the
 // last.
-JAXFLASH_SCHED_HD bool fwd_unit(const TailSchedule& s, int64_t b, int64_t grid, int64_t step, FwdUnit* unit) {
-  const int64_t whole = b < s.dp_tiles ? (s.dp_tiles - 1 - b) / grid + 1 : 0;
+JAXFLASH_SCHED_HD bool fwd_unit(const TailSchedule& s, uint32_t b, uint32_t grid, uint32_t step, FwdUnit* unit) {
+  const uint32_t whole = b < s.dp_tiles ? (s.dp_tiles - 1 - b) / grid + 1 : 0;
   FwdUnit u;
   if (step < whole) {
     u.tile = b + step * grid;
     *unit = u;
     return true;
   }
-  const int64_t piece = step - whole;
+  const uint32_t piece = step - whole;
   if (b >= s.sk_ctas || piece > 1) return false;
-  const int64_t lo = tail_range_begin(s, b), hi = tail_range_begin(s, b + 1);
-  const int64_t first = piece == 0 ? lo : (lo / s.n_blocks + 1) * s.n_blocks;
+  const uint32_t lo = tail_range_begin(s, b), hi = tail_range_begin(s, b + 1);
+  const uint32_t first = piece == 0 ? lo : (lo / s.n_blocks + 1) * s.n_blocks;
   if (first >= hi) return false;
-  const int64_t j = first / s.n_blocks, end = hi < (j + 1) * s.n_blocks ? hi : (j + 1) * s.n_blocks;
-  const int64_t c_first = tail_cta_of(s, j * s.n_blocks), c_last = tail_cta_of(s, (j + 1) * s.n_blocks - 1);
+  const uint32_t j = first / s.n_blocks, end = hi < (j + 1) * s.n_blocks ? hi : (j + 1) * s.n_blocks;
+  const uint32_t c_first = tail_cta_of(s, j * s.n_blocks), c_last = tail_cta_of(s, (j + 1) * s.n_blocks - 1);
   u.tile = s.dp_tiles + j;
-  u.block_lo = first - j * s.n_blocks;
-  u.block_hi = end - j * s.n_blocks;
-  u.tail = j;
+  u.block_lo = int(first - j * s.n_blocks);
+  u.block_hi = int(end - j * s.n_blocks);
+  u.tail = int(j);
   u.parts = int(c_last - c_first + 1);
   u.part = int(b - c_first);
-  u.slot = 2 * b + piece;
+  u.slot = int(2 * b + piece);
   *unit = u;
   return true;
 }
