@@ -282,7 +282,8 @@ NB_MODULE(_jaxflash_cuda, m) {
       [](int64_t batch, int64_t seqlen_q, int64_t heads_q, int64_t seqlen_k, int64_t head_dim, int device) -> int64_t {
         namespace sm90 = jaxflash::sm90;
         jaxflash::DeviceInfo info;
-        if (jaxflash::device_info(device, &info) != cudaSuccess || info.cc_major != 9 || info.cc_minor != 0 ||
+        if (!sm90::tail_split_pays(head_dim) || jaxflash::device_info(device, &info) != cudaSuccess ||
+            info.cc_major != 9 || info.cc_minor != 0 ||
             !jaxflash::is_compiled(jaxflash::Family::kSm90, jaxflash::Pass::kFwd, jaxflash::DType::kBF16, head_dim))
           return 0;
         const int64_t tiles = batch * heads_q * ((seqlen_q + sm90::kFwdTileRows - 1) / sm90::kFwdTileRows);

@@ -13,9 +13,9 @@
 //                    handshake alternates the two consumers' GEMM batches on the tensor cores, so one
 //                    warpgroup's softmax hides under the other's GEMMs. O leaves through shared memory and
 //                    one TMA store per consumer where shared memory allows (d=64, 128).
-// Tiles that cost alike are taken round robin but for the last ones, whose K/V blocks are shared out between
-// all blocks (schedule.h); a piece of a tile leaves its partial state in the workspace, and the last piece
-// to finish merges them.
+// kSplit (tiles that cost alike): the tiles are taken round robin but for the last ones, whose K/V blocks are
+// shared out between all blocks (schedule.h); a piece of a tile leaves its partial state in the workspace, and
+// the last piece to finish merges them. Its own instantiation, so that the kernel without it stays as it was.
 // Keys past the visible range inside the tensor (past kv_len, or a window's far side) may hold anything, even
 // NaN; P is 0 there, but 0·NaN is not, so the producer zeroes those rows of the one partial V block.
 #pragma once
@@ -172,7 +172,7 @@ __device__ inline void set_block_range(FwdTile& t, int kN) {
 // producer then loads the next tile's Q and K while the consumers finish the current one. Segment ids narrow
 // a tile's key range with the whole block's help before the roles split, so with them the launcher gives
 // every tile its own block.
-template <class Tr, bool kExtras>
+template <class Tr, bool kExtras, bool kSplit>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdKernelParams<Tr> kp) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
@@ -184,6 +184,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   const int tid = threadIdx.x;
   const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
+  const int64_t num_tiles = (seqlen_q + kM - 1) / kM * dims.heads_q * dims.batch;
   const int64_t q_row_stride = dims.heads_q * kD;
 
   if (tid == 0) {
@@ -221,10 +222,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     set_block_range(t, kN);
     return t;
   };
-  // A piece of a split tile sees only its K/V blocks.
+  // Unit `step` of this block: tile blockIdx.x + step·gridDim.x, or (kSplit) the schedule's; a piece of a
+  // split tile sees only its K/V blocks.
+  auto next_unit = [&](uint32_t step, FwdUnit* u) {
+    if constexpr (kSplit) {
+      return fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, u);
+    } else {
+      u->tile = uint32_t(blockIdx.x + int64_t(step) * gridDim.x);
+      return blockIdx.x + int64_t(step) * gridDim.x < num_tiles;
+    }
+  };
   auto unit_tile = [&](const FwdUnit& u) {
     FwdTile t = tile_at(u.tile);
-    if (u.block_lo >= 0) {
+    if (kSplit && u.block_lo >= 0) {
       t.n_block_min = u.block_lo;
       t.n_block_max = u.block_hi;
       t.key_begin = cute::max(t.key_begin, int64_t(u.block_lo) * kN);
@@ -256,7 +266,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     Tensor mV = kp.tma_v.get_tma_tensor(gmem_shape(seqlen_k, dims.heads_k));
     int it = 0, tiles_done = 0, partials_done = 0;
     FwdUnit u;
-    for (uint32_t step = 0; fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, &u); ++step) {
+    for (uint32_t step = 0; next_unit(step, &u); ++step) {
       const FwdTile t = unit_tile(u);
       const int n_iters = t.n_iters();
       if (n_iters <= 0) continue;  // the consumers write zeros; no barrier is touched
@@ -408,7 +418,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
 
   int it = 0, tiles_done = 0;
   FwdUnit u;
-  for (uint32_t step = 0; fwd_unit(kp.tail, blockIdx.x, gridDim.x, step, &u); ++step) {
+  for (uint32_t step = 0; next_unit(step, &u); ++step) {
     const FwdTile t = unit_tile(u);
     const int n_iters = t.n_iters();
     float* lse_row = p.lse + (t.batch * dims.heads_q + t.head) * seqlen_q + t.m0;
@@ -497,7 +507,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     }
     it += n_iters;
     ++tiles_done;
-    if (kp.tail.sk_ctas > 0) {
+    if constexpr (kSplit) {
       // The unit once more from its step (through a shuffle, so the compiler neither keeps the first result's
       // fields in registers through the loop nor sees the copy as divergent).
       FwdUnit piece;

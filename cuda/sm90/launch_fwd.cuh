@@ -34,10 +34,8 @@ auto make_tma(const void* ptr, int64_t rows, int64_t heads, int64_t batch, SmemL
 
 template <class Tr, bool kExtras>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool persistent, bool uniform) {
-  constexpr auto kKernel = &flash_fwd_kernel<Tr, kExtras>;
   constexpr int kSmemBytes = int(sizeof(FwdSharedStorage<Tr>));
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than one block may have");
-  if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
   const AttnDims& d = p.dims;
   const int64_t tiles = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * d.batch * d.heads_q;
   if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;
@@ -45,7 +43,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool
   if (cudaError_t err = device_info(device, &info); err != cudaSuccess) return err;
   // Tiles that cost alike: the last ones split between all SMs (schedule.h), counters zeroed first.
   const int64_t n_blocks = (d.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
-  const TailSchedule tail = persistent && uniform ? make_tail_schedule(tiles, n_blocks, info.multiprocessors,
+  const TailSchedule tail = Tr::kSplitTail && persistent && uniform ? make_tail_schedule(tiles, n_blocks, info.multiprocessors,
                                                                        Tr::kHeadDim, p.workspace, p.workspace_floats)
                                                   : TailSchedule{uint32_t(tiles), uint32_t(n_blocks)};
   if (tail.sk_ctas > 0)
@@ -66,8 +64,16 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool
                     typename Tr::SmemLayoutO{}, typename Tr::TileO{}, _1{}),
       tail,
   };
-  kKernel<<<dim3(unsigned(grid)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
-  return cudaPeekAtLastError();
+  auto launch = [&](auto split) {
+    constexpr auto kKernel = &flash_fwd_kernel<Tr, kExtras, decltype(split)::value>;
+    if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
+    kKernel<<<dim3(unsigned(grid)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
+    return cudaPeekAtLastError();
+  };
+  if constexpr (Tr::kSplitTail) {
+    if (tail.sk_ctas > 0) return launch(std::true_type{});
+  }
+  return launch(std::false_type{});
 }
 
 template <DType kDType, int kHeadDim>

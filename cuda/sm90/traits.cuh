@@ -68,6 +68,7 @@ struct FwdTraits {
                 "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
   static_assert(kBlockN % 16 == 0 && kHeadDim_ % 16 == 0);
   static_assert(kBlockM == kFwdTileRows && kMmaThreads == kFwdConsumerThreads, "schedule.h's tile");
+  static constexpr bool kSplitTail = tail_split_pays(kHeadDim_);  // a kernel that splits the last round
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim_>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim_>>;
