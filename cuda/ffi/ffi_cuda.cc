@@ -309,7 +309,8 @@ NB_MODULE(_jaxflash_cuda, m) {
           sm90::FwdUnit u;
           for (uint32_t step = 0; sm90::fwd_unit(s, uint32_t(b), uint32_t(grid), step, &u); ++step) {
             std::vector<int64_t> slots;
-            for (int part = 0; u.parts > 1 && part < u.parts; ++part) slots.push_back(sm90::tail_slot_of(s, u.tail, part));
+            for (int part = 0; u.parts > 1 && part < u.parts; ++part)
+              slots.push_back(sm90::tail_slot_of(s, uint32_t(u.tail), part));
             out.back().emplace_back(u.tile, u.block_lo, u.block_hi, u.part, u.parts, u.slot, slots);
           }
         }

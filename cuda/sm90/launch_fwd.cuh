@@ -43,9 +43,10 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool
   if (cudaError_t err = device_info(device, &info); err != cudaSuccess) return err;
   // Tiles that cost alike: the last ones split between all SMs (schedule.h), counters zeroed first.
   const int64_t n_blocks = (d.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
-  const TailSchedule tail = Tr::kSplitTail && persistent && uniform ? make_tail_schedule(tiles, n_blocks, info.multiprocessors,
-                                                                       Tr::kHeadDim, p.workspace, p.workspace_floats)
-                                                  : TailSchedule{uint32_t(tiles), uint32_t(n_blocks)};
+  const TailSchedule tail =
+      Tr::kSplitTail && persistent && uniform
+          ? make_tail_schedule(tiles, n_blocks, info.multiprocessors, Tr::kHeadDim, p.workspace, p.workspace_floats)
+          : TailSchedule{uint32_t(tiles), uint32_t(n_blocks)};
   if (tail.sk_ctas > 0)
     if (cudaError_t err = cudaMemsetAsync(tail.counters, 0, 2 * (tiles - tail.dp_tiles) * sizeof(int), stream);
         err != cudaSuccess)
