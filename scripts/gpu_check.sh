@@ -18,14 +18,15 @@
 # Environment: JAXFLASH_CUDA_ARCHS (default: CMake's 80-real;90a-real), WHEEL_DIR (build a wheel there and install
 # it: one to carry to the next call), WHEEL (install that wheel, no build), SKIP_BUILD=1, SKIP_SANITIZER=1,
 # SKIP_BENCH=1, BENCH_SUITES, BENCH_ARGS, PYTEST_PATHS (test files or folders relative to the repo, default
-# "tests"), PYTEST_ARGS (default "-n 8" when pytest-xdist is installed; "-n 16"
-# once ran out of GPU memory next to the 17 GB 64-bit-offset test). Timing on one H200 (16 cores): build
-# 136-145 s for 90a-real; per family, forward + backward tests ~210 s and masks + command buffers ~200 s with
-# -n 14; sanitizers ~30 s per family; the masks and dropout suites ~25 s with --impls jaxflash. Over the device
-# tool's 10-minute call limit, so run it there in parts (WHEEL_DIR=$OUT/w in the first part, then carry that
-# wheel and pass it as WHEEL): one family and one half of the tests per call, e.g. JAXFLASH_TEST_FAMILIES=auto with
-# PYTEST_PATHS="tests/test_gpu_forward.py tests/test_gpu_backward.py", then with PYTEST_PATHS=
-# "tests/test_gpu_masks.py tests/test_gpu_command_buffer.py", then the same for sm80.
+# "tests"), PYTEST_ARGS (default "-n 4" when pytest-xdist is installed: each worker's allocator keeps what it
+# grew, and "-n 8" ran out of GPU memory on the forward file with both families, "-n 16" next to the 17 GB
+# 64-bit-offset test; -n 4 took 147 s for the forward file with both families, -n 8 131 s). Timing on one
+# H200 (16 cores): build 136-183 s for 90a-real; per family, forward + backward tests ~210 s and masks +
+# command buffers ~200 s with -n 14; sanitizers ~30 s per family; the masks and dropout suites ~25 s with
+# --impls jaxflash. Over the device tool's 10-minute call limit, so run it there in parts (WHEEL_DIR=$OUT/w
+# in the first part, then carry that wheel and pass it as WHEEL): one family and one half of the tests per
+# call, e.g. JAXFLASH_TEST_FAMILIES=auto with PYTEST_PATHS="tests/test_gpu_forward.py tests/test_gpu_backward.py",
+# then with PYTEST_PATHS="tests/test_gpu_masks.py tests/test_gpu_command_buffer.py", then the same for sm80.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-$(mktemp -d)}"
@@ -73,7 +74,7 @@ REPO="$OLDPWD"
 
 echo "== pytest -m gpu"
 default_pytest_args=""
-"$PY" -c "import xdist" 2>/dev/null && default_pytest_args="-n 8"
+"$PY" -c "import xdist" 2>/dev/null && default_pytest_args="-n 4"
 paths=()
 for path in ${PYTEST_PATHS:-tests}; do paths+=("$REPO/$path"); done
 if "$PY" -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS-$default_pytest_args} "${paths[@]}" \
