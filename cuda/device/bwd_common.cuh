@@ -151,19 +151,34 @@ __forceinline__ __device__ void load_row_stats(TC const& coords, const BwdParams
 
 // ---- preprocess: before the main kernel -----------------------------------------------------------------
 
-// One warp per row (b, i, h) of dO and O: delta[b, h, i] = Σ_d dO·O − dLSE, in fp32; dq_accum row cleared.
+// delta[b, h, i] = Σ_d dO·O − dLSE in fp32 for each row (b, i, h) of dO and O, and the row of dq_accum
+// cleared. A row's 16-byte vectors go to kLanes consecutive lanes (the head dim's vectors rounded up to a
+// power of two), so a warp takes 32 / kLanes rows: one row per warp left 3/4 of the lanes idle at d = 64.
+template <int kHeadDim>
+struct PreprocessShape {
+  static constexpr int kVecs = kHeadDim / 8;
+  static constexpr int kLanes = kVecs <= 4 ? 4 : kVecs <= 8 ? 8 : kVecs <= 16 ? 16 : 32;
+  static constexpr int kRowsPerWarp = 32 / kLanes, kRowsPerBlock = 8 * kRowsPerWarp;  // 256 threads
+  static_assert(kHeadDim % 8 == 0 && kVecs <= 32);
+};
+
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p,
                                                                    const bool clear_dq_accum) {
-  constexpr int kVecs = kHeadDim / 8;  // 16-byte vectors of a row, <= 32
-  static_assert(kHeadDim % 8 == 0 && kVecs <= 32);
+  using Shape = PreprocessShape<kHeadDim>;
   const AttnDims& dims = p.dims;
   const int64_t rows = dims.batch * dims.seqlen_q * dims.heads_q;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % Shape::kLanes;
+  const int64_t row = int64_t(blockIdx.x) * Shape::kRowsPerBlock + threadIdx.x / Shape::kLanes;
+  // The lanes of this warp's rows that exist (all but in the last warp); the others leave, whole groups.
+  const int64_t warp_row0 = row - (threadIdx.x % 32) / Shape::kLanes;
+  const int64_t here = rows - warp_row0 < Shape::kRowsPerWarp ? rows - warp_row0 : Shape::kRowsPerWarp;
+  const unsigned members = here * Shape::kLanes >= 32 ? 0xffffffffu
+                           : here <= 0                  ? 0u
+                                                        : (1u << (here * Shape::kLanes)) - 1u;
   if (row >= rows) return;
   float sum = 0.f;
-  if (lane < kVecs) {
+  if (lane < Shape::kVecs) {
     const int64_t off = row * kHeadDim + lane * 8;
     const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + off);
     const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
@@ -178,7 +193,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_
     }
   }
   CUTE_UNROLL
-  for (int s = 16; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+  for (int s = Shape::kLanes / 2; s > 0; s /= 2) sum += __shfl_xor_sync(members, sum, s);
   if (lane == 0) {
     const int64_t h = row % dims.heads_q;
     const int64_t i = (row / dims.heads_q) % dims.seqlen_q;
@@ -268,11 +283,12 @@ __device__ KvBlockWork kv_block_work(const BwdParams& p, int* scratch) {
 
 // ---- their launches, as every family's run_bwd makes them -------------------------------------------------
 
-// delta (and dq_accum cleared when the main kernel adds dQ into it): one warp per row.
+// delta (and dq_accum cleared when the main kernel adds dQ into it): PreprocessShape's rows per block.
 template <class T, int kHeadDim>
 cudaError_t launch_bwd_preprocess(const BwdParams& p, bool clear_dq_accum, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = PreprocessShape<kHeadDim>::kRowsPerBlock;
   const int64_t rows = p.dims.batch * p.dims.seqlen_q * p.dims.heads_q;
-  const int64_t blocks = (rows + 7) / 8;
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (!grid_fits(blocks)) return cudaErrorInvalidConfiguration;
   flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(blocks), 256, 0, stream>>>(p, clear_dq_accum);
   return cudaPeekAtLastError();
