@@ -79,9 +79,9 @@ def test_backward_every_head_dim(dtype, head_dim, causal):
 
 
 @pytest.mark.parametrize("dtype,head_dim", BWD_CONFIGS, ids=lambda x: f"{x}")
-def test_backward_rows_not_a_multiple_of_a_warps(dtype, head_dim):
-    """The preprocess gives a warp 32 / lanes-per-row rows (up to 8): 1 x 37 x 3 = 111 rows leaves its last
-    warp partly filled at every head dim, and delta of those rows must still be right."""
+def test_backward_partial_last_preprocess_warp(dtype, head_dim):
+    """The preprocess gives a warp 32 / lanes-per-row rows (8 at d=32, 4 at 64, 2 at 96 and 128): 1 x 37 x 3
+    = 111 rows leaves its last warp partly filled there, and delta of those rows must still be right."""
     q, k, v, do = make_inputs(head_dim + 7, (1,), 37, 45, 3, 1, head_dim, jnp.dtype(dtype))
     _check(q, k, v, do, False, dtype, f"{dtype} d={head_dim} 111 rows")
 
