@@ -50,7 +50,7 @@ def attention(query, key, value, *, causal: bool = False, window=None, q_segment
         26/256 = 0.1016); a positive rate must round to 1/256 .. 255/256 (``1/512 <= rate < 255.5/256``).
         Kept probabilities are scaled by ``1 / (1 - effective_rate)``, so the output's expectation is the
         undropped one; the LSE is that of the undropped softmax. The keep decision of element
-        (batch, head, row, column) is a pure function of the key and those indices (Philox4x32-10, see
+        (batch, head, row, column) is a pure function of the key and those indices (Philox4x32-7, see
         `jaxflash.dropout_mask`), so the backward pass redraws exactly the forward's mask and the result does
         not depend on tiling or on vmap over the other inputs. Batch indices count the flattened leading dims
         of one call: under ``jit`` with sharded inputs they stay global and the mask equals the unsharded

@@ -1,13 +1,15 @@
 """Dropout of the attention probabilities: the keep mask as the kernels draw it, in plain JAX.
 
-One Philox4x32-10 call draws the bytes of 16 elements. Element (batch b, head h, query row i, key column j),
+One Philox4x32-7 call draws the bytes of 16 elements. Element (batch b, head h, query row i, key column j),
 with c = j % 16, reads byte 2 * (c // 8) + c % 2 (little-endian) of word (c % 8) // 2 of
-Philox4x32-10(counter = (j // 16, i, h, b), key = the two words of the JAX key), and is kept iff that byte is
+Philox4x32-7(counter = (j // 16, i, h, b), key = the two words of the JAX key), and is kept iff that byte is
 at least threshold(rate) = round(rate * 256) (rate rounded to float32 first, as the kernels receive it). So the
 rate is drawn in steps of 1/256: an element is dropped with probability threshold / 256, and kept probabilities
 are scaled by keep_scale(rate) = 256 / (256 - threshold), which keeps the output's expectation that of no
-dropout. The same rule is written once in C++ (cuda/common/philox.h) for the kernels; this is the independent
-Python twin used by `backend="reference"` and the tests.
+dropout. Seven rounds (not cuRAND's ten) is the fewest with which Philox4x32 passes TestU01's BigCrush, as its
+authors count, and what FlashAttention-2's dropout runs; the rounds are most of what dropout costs the kernels.
+The same rule is written once in C++ (cuda/common/philox.h) for the kernels; this is the independent Python twin
+used by `backend="reference"` and the tests.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 
 _M0, _M1 = np.uint32(0xD2511F53), np.uint32(0xCD9E8D57)
 _W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+ROUNDS = 7  # the rounds dropout draws with
 
 
 def _mulhilo(a, b):
@@ -29,11 +32,12 @@ def _mulhilo(a, b):
     return p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16), a * b
 
 
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 of counter words (c0..c3) and key words (k0, k1), broadcasting over arrays."""
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds=ROUNDS):
+    """Philox4x32 with `rounds` rounds of counter words (c0..c3) and key words (k0, k1), broadcasting over
+    arrays."""
     c = [jnp.asarray(x, jnp.uint32) for x in (c0, c1, c2, c3)]
     k0, k1 = jnp.asarray(k0, jnp.uint32), jnp.asarray(k1, jnp.uint32)
-    for _ in range(10):
+    for _ in range(rounds):
         hi0, lo0 = _mulhilo(_M0, c[0])
         hi1, lo1 = _mulhilo(_M1, c[2])
         c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
@@ -78,7 +82,7 @@ def dropout_mask(key, batch: int, heads: int, q_len: int, k_len: int, rate: floa
     h = jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None]
     i = jnp.arange(q_len, dtype=jnp.uint32)[None, None, :, None] + jnp.asarray(row_offset, jnp.uint32)
     j = jnp.arange(k_len, dtype=jnp.uint32)[None, None, None, :] + jnp.asarray(col_offset, jnp.uint32)
-    r = philox4x32_10(j >> 4, i, h, b, words[0], words[1])
+    r = philox4x32(j >> 4, i, h, b, words[0], words[1])
     w = (j & 7) >> 1
     word = jnp.where(w == 0, r[0], jnp.where(w == 1, r[1], jnp.where(w == 2, r[2], r[3])))
     shift = 8 * (2 * ((j >> 3) & 1) + (j & 1))

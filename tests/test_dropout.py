@@ -9,30 +9,44 @@ import jaxflash
 import oracle
 from conftest import DTYPES, check_close, make_inputs
 from jaxflash import _jaxflash_cpu, dropout
-from jaxflash.dropout import philox4x32_10
+from jaxflash.dropout import philox4x32
 
-# Random123's known-answer vectors for Philox4x32-10 (counter, key, output).
-KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-       ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD))]
+# Random123's known-answer vectors for Philox4x32 (rounds, counter, key, output): dropout's 7 rounds, and 10
+# (cuRAND's) so that the round structure is checked where most published answers are.
+_PI = ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0))
+KAT = [(7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+       (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+       (7, *_PI, (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+       (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+       (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+       (10, *_PI, (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
 
 
-@pytest.mark.parametrize("ctr,key,out", KAT)
-def test_philox_known_answers(ctr, key, out):
-    assert tuple(_jaxflash_cpu.philox4x32_10(*ctr, *key)) == out  # the kernels' C++ (cuda/common/philox.h)
-    assert tuple(int(w) for w in philox4x32_10(*ctr, *key)) == out  # the JAX twin (dropout_mask)
+@pytest.mark.parametrize("rounds,ctr,key,out", KAT)
+def test_philox_known_answers(rounds, ctr, key, out):
+    assert tuple(_jaxflash_cpu.philox4x32(*ctr, *key, rounds)) == out  # the kernels' C++ (cuda/common/philox.h)
+    assert tuple(int(w) for w in philox4x32(*ctr, *key, rounds)) == out  # the JAX twin (dropout_mask)
+
+
+def test_dropout_draws_with_seven_rounds():
+    assert dropout.ROUNDS == 7
+    ctr, key = (1, 2, 3, 4), (5, 6)
+    assert tuple(_jaxflash_cpu.philox4x32(*ctr, *key)) == tuple(_jaxflash_cpu.philox4x32(*ctr, *key, 7))
+    with pytest.raises(ValueError, match="rounds must be 7 or 10, got 8"):
+        _jaxflash_cpu.philox4x32(*ctr, *key, 8)
 
 
 def test_cpp_and_jax_philox_agree_on_random_counters():
     rng = np.random.default_rng(0)
     for words in rng.integers(0, 2**32, (50, 6), dtype=np.uint64):
-        assert tuple(_jaxflash_cpu.philox4x32_10(*map(int, words))) == tuple(
-            int(w) for w in philox4x32_10(*map(int, words)))
+        assert tuple(_jaxflash_cpu.philox4x32(*map(int, words))) == tuple(
+            int(w) for w in philox4x32(*map(int, words)))
 
 
 def _bytes_of(k0, k1, b, h, i, g):
     """The 16 bytes of one Philox call (counter (g, i, h, b)), word by word, little-endian: from the C++ generator
     and the byte order philox.h documents, independently of dropout_mask's vectorised spelling."""
-    words = _jaxflash_cpu.philox4x32_10(g, i, h, b, k0, k1)
+    words = _jaxflash_cpu.philox4x32(g, i, h, b, k0, k1)
     return [(w >> (8 * y)) & 0xFF for w in words for y in range(4)]
 
 

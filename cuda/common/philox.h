@@ -1,15 +1,19 @@
-// Philox4x32-10 (Salmon, Moraes, Dror & Shaw, SC'11), the counter-based generator cuRAND and FlashAttention
-// use, and the dropout decision built on it. One definition for the CPU and CUDA kernels and the same spec as
+// Philox4x32 (Salmon, Moraes, Dror & Shaw, SC'11), the counter-based generator cuRAND and FlashAttention use,
+// and the dropout decision built on it. One definition for the CPU and CUDA kernels and the same spec as
 // jaxflash.dropout_mask (Python), so every backend draws the identical mask bit for bit.
 //
 // Dropout draws one byte per element, sixteen per Philox call: element (batch b, head h, query row i, key
 // column j) reads byte 2 * (c / 8) + c % 2 (little-endian) of word (c % 8) / 2 of
-//   Philox4x32-10(counter = (j / 16, i, h, b), key = (k0, k1)),   c = j % 16,
+//   Philox4x32-7(counter = (j / 16, i, h, b), key = (k0, k1)),   c = j % 16,
 // and is kept iff that byte is >= threshold = round(rate * 256). The rate is thus drawn in steps of 1/256 and kept
 // values are scaled by 256 / (256 - threshold), the inverse of the keep probability. The byte order puts
 // the four columns one lane of a tensor-core accumulator holds in a 16-column group (2q, 2q+1, 8+2q, 9+2q
 // for lane q of a quad) in word q, so a call's words go one to each lane of the quad. A pure function of
 // the key and the four indices: independent of tile sizes, thread layout and backend.
+//
+// Seven rounds, not cuRAND's ten: seven is the fewest with which Philox4x32 passes TestU01's BigCrush (the
+// authors' count; ten is their safety margin), FlashAttention-2's dropout runs seven, and the rounds' wide
+// multiplies are most of what dropout costs the kernels.
 #pragma once
 
 #include <cstdint>
@@ -34,12 +38,16 @@ JAXFLASH_PHILOX_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t* hi, uint32_t
   *lo = uint32_t(p);
 }
 
-JAXFLASH_PHILOX_HD Philox4 philox4x32_10(Philox4 ctr, uint32_t k0, uint32_t k1) {
+// The rounds dropout draws with (see above).
+constexpr int kDropoutRounds = 7;
+
+template <int kRounds>
+JAXFLASH_PHILOX_HD Philox4 philox4x32(Philox4 ctr, uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
-  for (int round = 0; round < 10; ++round) {
+  for (int round = 0; round < kRounds; ++round) {
     uint32_t hi0, lo0, hi1, lo1;
     mulhilo32(kM0, ctr.x[0], &hi0, &lo0);
     mulhilo32(kM1, ctr.x[2], &hi1, &lo1);
@@ -61,7 +69,7 @@ struct DropoutDraw {
 // The Philox words of row i, head h and the 16 key columns 16g .. 16g+15, i and g counted within the call:
 // the counter holds their positions in the whole sequence.
 JAXFLASH_PHILOX_HD Philox4 dropout_words(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t g) {
-  return philox4x32_10(Philox4{{g + d.group0, i + d.row0, h, d.batch}}, d.k0, d.k1);
+  return philox4x32<kDropoutRounds>(Philox4{{g + d.group0, i + d.row0, h, d.batch}}, d.k0, d.k1);
 }
 
 // Where column c of a 16-column group reads its byte: the word, and the byte's shift within it.

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "decode.h"
@@ -156,10 +157,17 @@ NB_MODULE(_jaxflash_cpu, m) {
     auto bs = jaxflash::cpu::ComputeBlockSizes(head_dim);
     return nb::make_tuple(bs.rows_q, bs.rows_k);
   }, "(Br, Bc) the CPU kernel uses for this head dim.");
-  m.def("philox4x32_10", [](uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
-    const jaxflash::Philox4 r = jaxflash::philox4x32_10(jaxflash::Philox4{{c0, c1, c2, c3}}, k0, k1);
+  m.def("philox4x32", [](uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1, int rounds) {
+    const jaxflash::Philox4 ctr{{c0, c1, c2, c3}};
+    jaxflash::Philox4 r;
+    if (rounds == 7) r = jaxflash::philox4x32<7>(ctr, k0, k1);
+    else if (rounds == 10) r = jaxflash::philox4x32<10>(ctr, k0, k1);
+    else throw nb::value_error(("philox4x32: rounds must be 7 or 10, got " + std::to_string(rounds)).c_str());
     return nb::make_tuple(r.x[0], r.x[1], r.x[2], r.x[3]);
-  }, "The kernels' Philox4x32-10 (counter words c0..c3, key words k0, k1), for known-answer tests.");
+  }, nb::arg("c0"), nb::arg("c1"), nb::arg("c2"), nb::arg("c3"), nb::arg("k0"), nb::arg("k1"),
+     nb::arg("rounds") = jaxflash::kDropoutRounds,
+     "The kernels' Philox4x32 with 7 (dropout's) or 10 rounds (counter words c0..c3, key words k0, k1), for "
+     "known-answer tests.");
   m.def("dropout_keep16", [](uint32_t k0, uint32_t k1, uint32_t batch, uint32_t head, uint32_t row, uint32_t group,
                              float rate) {
     jaxflash::DropoutParams p;
