@@ -170,15 +170,10 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_
   const int64_t rows = dims.batch * dims.seqlen_q * dims.heads_q;
   const int lane = threadIdx.x % Shape::kLanes;
   const int64_t row = int64_t(blockIdx.x) * Shape::kRowsPerBlock + threadIdx.x / Shape::kLanes;
-  // The lanes of this warp's rows that exist (all but in the last warp); the others leave, whole groups.
-  const int64_t warp_row0 = row - (threadIdx.x % 32) / Shape::kLanes;
-  const int64_t here = rows - warp_row0 < Shape::kRowsPerWarp ? rows - warp_row0 : Shape::kRowsPerWarp;
-  const unsigned members = here * Shape::kLanes >= 32 ? 0xffffffffu
-                           : here <= 0                  ? 0u
-                                                        : (1u << (here * Shape::kLanes)) - 1u;
-  if (row >= rows) return;
+  // Past the last row a lane group only sums zeros, so that every lane of the warp takes the shuffles.
+  const bool real = row < rows;
   float sum = 0.f;
-  if (lane < Shape::kVecs) {
+  if (real && lane < Shape::kVecs) {
     const int64_t off = row * kHeadDim + lane * 8;
     const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + off);
     const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
@@ -193,8 +188,8 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_
     }
   }
   CUTE_UNROLL
-  for (int s = Shape::kLanes / 2; s > 0; s /= 2) sum += __shfl_xor_sync(members, sum, s);
-  if (lane == 0) {
+  for (int s = Shape::kLanes / 2; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+  if (real && lane == 0) {
     const int64_t h = row % dims.heads_q;
     const int64_t i = (row / dims.heads_q) % dims.seqlen_q;
     const int64_t b = row / (dims.heads_q * dims.seqlen_q);
