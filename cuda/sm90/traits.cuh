@@ -59,11 +59,15 @@ struct FwdTraits {
   static constexpr int kMmaWarpGroups = kBlockM / 64;  // wgmma's M is 64: one warpgroup per 64 query rows
   static constexpr int kMmaThreads = kMmaWarpGroups * 128;
   static constexpr int kNThreads = kMmaThreads + 128;  // + the producer warpgroup
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   // A row's softmax max moves only when it grows by more than 2^8 in probability (softmax.cuh): O is rescaled
   // on few blocks instead of whenever some row of a warp meets a larger score. Not at d = 64, where the
   // rescale is cheap and the extra test per row cost 4 % (measured).
   static constexpr int kRescaleSlackLog2 = kHeadDim_ >= 128 ? 8 : 0;
+  // Dropout's Philox draws (most of its cost) run on the producer warpgroup's three idle warps, a block ahead,
+  // into shared memory: a consumer only masks P. Not at d=256, whose K/V stages leave no room.
+  static constexpr bool kKeepsAhead = kHeadDim_ <= 128;
+  static constexpr int kKeepGroups = kBlockN / 16, kKeepWordsPerRow = 4 * ((kKeepGroups + 7) / 8);
   static_assert(kMmaWarpGroups == 2 && kProducerRegs + 2 * kConsumerRegs == 3 * 168,
                 "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
   static_assert(kBlockN % 16 == 0 && kHeadDim_ % 16 == 0);
