@@ -175,8 +175,14 @@ __device__ inline void set_block_range(FwdTile& t, int kN) {
 // producer then loads the next tile's Q and K while the consumers finish the current one. Segment ids narrow
 // a tile's key range with the whole block's help before the roles split, so with them the launcher gives
 // every tile its own block.
-template <class Tr, bool kExtras, bool kSplit>
+// kDropout (implies kExtras): a kernel of its own, since the Philox code in the loop slowed the softcap kernel
+// by 6 % even where it never ran.
+template <class Tr, bool kExtras, bool kSplit, bool kDropout>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdKernelParams<Tr> kp) {
+  static_assert(kExtras || !kDropout);
+  constexpr bool kKeepsAhead = Tr::kKeepsAhead && kDropout;  // drawn by the producer's idle warps
+  constexpr int kProducerRegs = kKeepsAhead ? Tr::kDrawProducerRegs : Tr::kProducerRegs;
+  constexpr int kConsumerRegs = kKeepsAhead ? Tr::kDrawConsumerRegs : Tr::kConsumerRegs;
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
 
@@ -260,18 +266,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   // K/V stages and their barrier phases run on across tiles: `it` counts the blocks loaded so far.
   auto stage_of = [](int it) { return it % kStages; };
   auto parity_of = [](int it) { return uint32_t((it / kStages) & 1); };
-  const bool dropout = kExtras && p.dropout.rate > 0.f;
+  const bool dropout = kDropout && p.dropout.rate > 0.f;
   auto keeps_of = [&](int consumer, int stage) {
     return ss.keeps.data() + (consumer * kStages + stage) * 64 * Tr::kKeepWordsPerRow;
   };
 
   if (warp_group == 0) {
     // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (tid >= 32) {
       // Warps 1-3 draw dropout: block `it`'s draw for consumer w falls to warp 1 + (2·it + w) % 3, each lane
       // drawing two of the 64 rows, into that consumer's slot of the block's stage.
-      if (!(Tr::kKeepsAhead && dropout)) return;
+      if (!(kKeepsAhead && dropout)) return;
       const int helper = tid / 32 - 1, lane = tid % 32;
       int it = 0;
       FwdUnit u;
@@ -362,7 +368,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   }
 
   // ---- consumers ----
-  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const int mma_tid = tid - 128;
   const int wg = warp_group - 1;  // 0 or 1
   const bool releaser = mma_tid % 128 == 0;
@@ -487,7 +493,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, t.bm, t.m0, n0);
       const bool moved = softmax.template update_max<Tr::kRescaleSlackLog2>(s_rc, scale_log2, correction);
       softmax.exponentiate(s_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
-      if (dropout && !Tr::kKeepsAhead) {
+      if (dropout && !kKeepsAhead) {
         for_each_keep<2>(c_rc, draw, uint32_t(t.head), t.m0, n0, [&](int r, int c, bool keep) {
           if (!keep) s_rc(r, c) = 0.f;
         });
@@ -497,7 +503,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     // P_i (converted) with block it + i's keep words from the drawing warps, whose slot is then free again.
     auto to_p = [&](int i) __attribute__((always_inline)) {
       convert_into<T>(acc_s, rP);
-      if (!(Tr::kKeepsAhead && dropout)) return;
+      if (!(kKeepsAhead && dropout)) return;
       const int blk = it + i, stage = stage_of(blk);
       ClusterBarrier::wait(&ss.keeps_full[wg][stage], parity_of(blk));
       const uint32_t* slot = keeps_of(wg, stage) + (threadIdx.x & 3);
