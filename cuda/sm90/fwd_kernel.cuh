@@ -175,8 +175,8 @@ __device__ inline void set_block_range(FwdTile& t, int kN) {
 // producer then loads the next tile's Q and K while the consumers finish the current one. Segment ids narrow
 // a tile's key range with the whole block's help before the roles split, so with them the launcher gives
 // every tile its own block.
-// kDropout (implies kExtras): a kernel of its own, since the Philox code in the loop slowed the softcap kernel
-// by 6 % even where it never ran.
+// kDropout (implies kExtras): an instantiation of its own, so that the softcap and segment-id kernel carries
+// none of dropout's code and the drawing kernel has its own register split.
 template <class Tr, bool kExtras, bool kSplit, bool kDropout>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdKernelParams<Tr> kp) {
   static_assert(kExtras || !kDropout);

@@ -65,7 +65,7 @@ struct FwdTraits {
   // rescale is cheap and the extra test per row cost 4 % (measured).
   static constexpr int kRescaleSlackLog2 = kHeadDim_ >= 128 ? 8 : 0;
   // Dropout's Philox draws (most of its cost) run on the producer warpgroup's three idle warps, a block ahead,
-  // into shared memory, and a consumer only masks P: at d=64 (dropout 8.9 -> 7.7-8.0 ms at S=16k, 32 heads).
+  // into shared memory, and a consumer only masks P: at d=64 (dropout 8.9 -> 8.05 ms at S=16k, 32 heads).
   // At d=128 the drawing warps fall behind (their Philox issues at about 0.1 IPC beside the consumers') and
   // the consumers wait: 4.5 -> 4.8-5.0 ms; they draw themselves there. The drawing warps need more registers
   // than the TMA warp's 24 (spills in the Philox rounds).
