@@ -57,9 +57,9 @@ def test_sm90_forward_kernels_use_wgmma_tma_and_setmaxnreg():
 
     functions = _sass_by_function(_jaxflash_cuda.__file__)
     kernels = {n: b for n, b in functions.items() if n.startswith("_ZN8jaxflash4sm9016flash_fwd_kernel")}
-    # Two variants (with and without segment ids, softcap and dropout) per configuration, and the same two with
-    # the last round's tiles split between all SMs at head dims 128 and up (cuda/sm90/schedule.h).
-    assert len(kernels) == 2 * len(configs) + 2 * sum(d >= 128 for _, d in configs), sorted(kernels)
+    # Three variants per configuration (plain; segment ids and softcap; those and dropout), and the same three
+    # with the last round's tiles split between all SMs at head dims 128 and up (cuda/sm90/schedule.h).
+    assert len(kernels) == 3 * len(configs) + 3 * sum(d >= 128 for _, d in configs), sorted(kernels)
     for name, body in kernels.items():
         # fp32 accumulation; the SASS names bf16 inputs (".BF16") and leaves fp16, the default, unnamed.
         assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, gdesc\[", body), f"{name}: no Q·Kᵀ wgmma (SS)"

@@ -80,6 +80,14 @@ JAXFLASH_PHILOX_HD bool dropout_byte_keeps(uint32_t word, int shift, uint32_t th
   return ((word >> shift) & 0xFFu) >= threshold;
 }
 
+// The decisions of a word's four bytes at once: bit 7 of byte b of the result is set iff byte b >= threshold,
+// i.e. iff byte + (256 - threshold) carries out of the byte: bit 7 of majority(a, c, (a & 0x7f) + (c & 0x7f))
+// per byte, with no carry crossing a byte. threshold in [1, 255] (params.h).
+JAXFLASH_PHILOX_HD uint32_t keep_msbs(uint32_t word, uint32_t threshold) {
+  const uint32_t add = (256u - threshold) * 0x01010101u, low = (word & 0x7f7f7f7fu) + (add & 0x7f7f7f7fu);
+  return (word & add) | ((word | add) & low);
+}
+
 // The 16 keep bits of the group of columns 16g .. 16g+15 of row i (bit c: column 16g + c).
 JAXFLASH_PHILOX_HD uint32_t dropout_keep16(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t g) {
   const Philox4 r = dropout_words(d, h, i, g);

@@ -254,17 +254,13 @@ __forceinline__ __device__ uint32_t keep_bits_transposed(TC const& coords, const
   const int g = (threadIdx.x >> 2) & 7;
   const uint32_t query = uint32_t(row0) + uint32_t(cute::get<1>(coords(0, 0))) + 8u * uint32_t(g);
   const uint32_t group = (uint32_t(col0) + uint32_t(cute::get<0>(coords(0, 0)))) >> 4;
-  // byte >= threshold  <=>  byte + (256 - threshold) carries out of the byte: bit 7 of the carry vector
-  // majority(a, c, (a & 0x7f) + (c & 0x7f)) for every byte of a at once.
-  const uint32_t add = (256u - d.threshold) * 0x01010101u, add_low = add & 0x7f7f7f7fu;
   uint32_t packed = 0;
   CUTE_UNROLL
   for (int e = 0; e < 2; ++e) {
     const Philox4 w = dropout_words(d, head, query + uint32_t(e), group);
     CUTE_UNROLL
     for (int k = 0; k < 4; ++k) {
-      const uint32_t a = w.x[k], low = (a & 0x7f7f7f7fu) + add_low;
-      const uint32_t carry = (a & add) | ((a | add) & low);
+      const uint32_t carry = keep_msbs(w.x[k], d.threshold);
       packed |= (carry >> (7 - k - 4 * e)) & (0x01010101u << (k + 4 * e));
     }
   }
@@ -284,6 +280,46 @@ __forceinline__ __device__ uint32_t keep_bits_transposed(TC const& coords, const
 // Whether element (r, c) of keep_bits_transposed's tile is kept.
 __forceinline__ __device__ bool kept_transposed(uint32_t mask, int r, int c) {
   return (mask >> (4 * (c >> 1) + (c & 1) + 2 * r)) & 1u;
+}
+
+// Dropout drawn ahead, by warps that would otherwise idle (the sm90 forward), for the consumer to apply to P
+// after its conversion to 16 bits. The quad of lanes that holds a query row of an m16n8 or wgmma accumulator
+// holds, in lane q, columns 2q, 2q+1 of each 8-column atom: word q of the row's call for that 16-column group,
+// bytes 2h, 2h+1 for the group's half h (philox.h). Lane q's share of groups 8w .. 8w+7 is one word, group
+// 8w + g at bits 8b + 7 - g for its bytes b: shifted left by g, the group's four decisions are the sign bits
+// of the word's four bytes, and prmt's sign replication makes them masks for the two 16-bit pairs.
+template <int kGroups>
+inline constexpr int kKeepWords = (kGroups + 7) / 8;
+
+// Rows i[0..kRows) (counted within the call) over groups g0 .. g0 + kGroups - 1, their calls interleaved:
+// store(k, w, v) receives word w of the four lanes' shares of row i[k], lane q's in v's q-th component.
+template <int kGroups, int kRows, class Store>
+__forceinline__ __device__ void draw_row_keeps(const DropoutDraw& d, uint32_t head, const uint32_t (&i)[kRows],
+                                               uint32_t g0, Store&& store) {
+  CUTE_UNROLL
+  for (int w = 0; w < kKeepWords<kGroups>; ++w) {
+    uint32_t share[kRows][4] = {};
+#pragma unroll 1  // a few calls at a time: the drawing warps have few registers
+    for (int g = 0; g < 8 && 8 * w + g < kGroups; ++g) {
+      CUTE_UNROLL
+      for (int k = 0; k < kRows; ++k) {
+        const Philox4 r = dropout_words(d, head, i[k], g0 + uint32_t(8 * w + g));
+        CUTE_UNROLL
+        for (int q = 0; q < 4; ++q) share[k][q] |= (keep_msbs(r.x[q], d.threshold) & 0x80808080u) >> g;
+      }
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < kRows; ++k) store(k, w, make_uint4(share[k][0], share[k][1], share[k][2], share[k][3]));
+  }
+}
+
+// The mask of the 16-bit pair of atom n (columns 8n + 2q, +1 of the block) from the lane's word for group n / 2
+// (see above): 0xffff in each half whose element is kept.
+__forceinline__ __device__ uint32_t keep_pair_mask(uint32_t word, int n) {
+  uint32_t mask;
+  const uint32_t sel = (n & 1) ? 0xbbaau : 0x9988u;  // sign of byte 2h+1 over the high half, 2h the low
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(word << ((n >> 1) & 7)), "r"(sel));
+  return mask;
 }
 
 }  // namespace jaxflash

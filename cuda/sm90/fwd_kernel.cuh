@@ -65,6 +65,9 @@ struct FwdSharedStorage {
   uint64_t k_full[Tr::kStages], k_empty[Tr::kStages];
   uint64_t v_full[Tr::kStages], v_empty[Tr::kStages];
   uint64_t v_partial;  // the partial V block lands here first, to be cleaned before v_full
+  // Dropout drawn ahead (Tr::kKeepsAhead): per consumer and K/V stage, its 64 rows' keep words (mask_tile.cuh)
+  array_aligned<uint32_t, Tr::kKeepsAhead ? 2 * Tr::kStages * 64 * Tr::kKeepWordsPerRow : 4, 16> keeps;
+  uint64_t keeps_full[2][Tr::kStages], keeps_empty[2][Tr::kStages];
   int scratch[4];      // narrow_by_ids
   int64_t first_keys[2];  // the first tile's key range after narrowing by segment ids
   bool first_pure;        // and whether the ids hide nothing inside it
@@ -172,8 +175,14 @@ __device__ inline void set_block_range(FwdTile& t, int kN) {
 // producer then loads the next tile's Q and K while the consumers finish the current one. Segment ids narrow
 // a tile's key range with the whole block's help before the roles split, so with them the launcher gives
 // every tile its own block.
-template <class Tr, bool kExtras, bool kSplit>
+// kDropout (implies kExtras): an instantiation of its own, so that the softcap and segment-id kernel carries
+// none of dropout's code and the drawing kernel has its own register split.
+template <class Tr, bool kExtras, bool kSplit, bool kDropout>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __grid_constant__ FwdKernelParams<Tr> kp) {
+  static_assert(kExtras || !kDropout);
+  constexpr bool kKeepsAhead = Tr::kKeepsAhead && kDropout;  // drawn by the producer's idle warps
+  constexpr int kProducerRegs = kKeepsAhead ? Tr::kDrawProducerRegs : Tr::kProducerRegs;
+  constexpr int kConsumerRegs = kKeepsAhead ? Tr::kDrawConsumerRegs : Tr::kConsumerRegs;
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
 
@@ -197,6 +206,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       ClusterTransactionBarrier::init(&ss.v_full[s], 1);
       ClusterBarrier::init(&ss.k_empty[s], Tr::kMmaWarpGroups);
       ClusterBarrier::init(&ss.v_empty[s], Tr::kMmaWarpGroups);
+      CUTE_UNROLL
+      for (int w = 0; w < 2; ++w) {
+        ClusterBarrier::init(&ss.keeps_full[w][s], 32);    // every lane of the drawing warp
+        ClusterBarrier::init(&ss.keeps_empty[w][s], 128);  // every thread of the consumer, after its loads
+      }
     }
   }
   // Producer and consumers must agree on every tile's block range exactly, or a barrier phase drifts.
@@ -252,11 +266,43 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   // K/V stages and their barrier phases run on across tiles: `it` counts the blocks loaded so far.
   auto stage_of = [](int it) { return it % kStages; };
   auto parity_of = [](int it) { return uint32_t((it / kStages) & 1); };
+  const bool dropout = kDropout && p.dropout.rate > 0.f;
+  auto keeps_of = [&](int consumer, int stage) {
+    return ss.keeps.data() + (consumer * kStages + stage) * 64 * Tr::kKeepWordsPerRow;
+  };
 
   if (warp_group == 0) {
     // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (tid >= 32) return;
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (tid >= 32) {
+      // Warps 1-3 draw dropout: block `it`'s draw for consumer w falls to warp 1 + (2·it + w) % 3, each lane
+      // drawing two of the 64 rows, into that consumer's slot of the block's stage.
+      if (!(kKeepsAhead && dropout)) return;
+      const int helper = tid / 32 - 1, lane = tid % 32;
+      int it = 0;
+      FwdUnit u;
+      for (uint32_t step = 0; next_unit(step, &u); ++step) {
+        const FwdTile t = unit_tile(u);
+        const int n_iters = t.n_iters();
+        if (n_iters <= 0) continue;
+        const DropoutDraw draw = dropout_draw(p.dropout, t.batch);
+        for (int i = 0; i < n_iters; ++i, ++it) {
+          const uint32_t g0 = uint32_t(t.n_block_max - 1 - i) * uint32_t(Tr::kKeepGroups);
+          for (int w = 0; w < 2; ++w) {
+            if ((2 * it + w) % 3 != helper) continue;
+            const int stage = stage_of(it);
+            ClusterBarrier::wait(&ss.keeps_empty[w][stage], parity_of(it) ^ 1);
+            uint4* slot = reinterpret_cast<uint4*>(keeps_of(w, stage));
+            const uint32_t row0 = uint32_t(t.m0 + 64 * w + lane), rows[2] = {row0, row0 + 32};
+            draw_row_keeps<Tr::kKeepGroups>(draw, uint32_t(t.head), rows, g0, [&](int k, int word, uint4 v) {
+              slot[(lane + 32 * k) * (Tr::kKeepWordsPerRow / 4) + word] = v;
+            });
+            ClusterBarrier::arrive(&ss.keeps_full[w][stage]);
+          }
+        }
+      }
+      return;
+    }
     const int lane = tid;
     auto gmem_shape = [&](int64_t rows, int64_t heads) {
       return make_shape(int32_t(rows), Int<kD>{}, int32_t(heads), int32_t(dims.batch));
@@ -322,7 +368,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   }
 
   // ---- consumers ----
-  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const int mma_tid = tid - 128;
   const int wg = warp_group - 1;  // 0 or 1
   const bool releaser = mma_tid % 128 == 0;
@@ -346,13 +392,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   Tensor c_rc = rowcol(thr_qk.partition_C(make_identity_tensor(typename Tr::TileS{})));  // (row, col) in the tile
   Tensor oc_rc = rowcol(thr_pv.partition_C(make_identity_tensor(typename Tr::TileQ{})));
   Tensor s_rc = rowcol(acc_s);
+  Tensor p_rc = rowcol(rP);
   Tensor o_rc = rowcol(acc_o);
   constexpr int kRows = decltype(size<0>(s_rc))::value;
 
   const float softcap = kExtras ? p.softcap : 0.f;
   const float score_scale = softcap > 0.f ? 1.f : p.scale;
   const float scale_log2 = score_scale * 1.4426950408889634f;
-  const bool dropout = kExtras && p.dropout.rate > 0.f;
   auto release = [&](uint64_t* bars, int it) {
     if (releaser) ClusterBarrier::arrive(&bars[stage_of(it)]);
   };
@@ -447,12 +493,35 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, t.bm, t.m0, n0);
       const bool moved = softmax.template update_max<Tr::kRescaleSlackLog2>(s_rc, scale_log2, correction);
       softmax.exponentiate(s_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
-      if (dropout) {
+      if (dropout && !kKeepsAhead) {
         for_each_keep<2>(c_rc, draw, uint32_t(t.head), t.m0, n0, [&](int r, int c, bool keep) {
           if (!keep) s_rc(r, c) = 0.f;
         });
       }
       return moved;
+    };
+    // P_i (converted) with block it + i's keep words from the drawing warps, whose slot is then free again.
+    auto to_p = [&](int i) __attribute__((always_inline)) {
+      convert_into<T>(acc_s, rP);
+      if (!(kKeepsAhead && dropout)) return;
+      const int blk = it + i, stage = stage_of(blk);
+      ClusterBarrier::wait(&ss.keeps_full[wg][stage], parity_of(blk));
+      const uint32_t* slot = keeps_of(wg, stage) + (threadIdx.x & 3);
+      uint32_t words[kRows][Tr::kKeepWordsPerRow / 4];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(c_rc(r, 0)) - 64 * wg;
+        CUTE_UNROLL
+        for (int w = 0; w < Tr::kKeepWordsPerRow / 4; ++w) words[r][w] = slot[row * Tr::kKeepWordsPerRow + 4 * w];
+      }
+      ClusterBarrier::arrive(&ss.keeps_empty[wg][stage]);
+      // Pair (r, 2n), (r, 2n + 1) of P's rowcol view, columns 8n + 2q, +1: one 32-bit register.
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int n = 0; n < decltype(size<1>(p_rc))::value / 2; ++n)
+          *reinterpret_cast<uint32_t*>(&p_rc(r, 2 * n)) &= keep_pair_mask(words[r][n / 16], n);
+      }
     };
 
     if (wg == 1) sched_signal();
@@ -469,7 +538,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
     } else {
       scores_to_probs(0, std::false_type{});
     }
-    convert_into<T>(acc_s, rP);
+    to_p(0);
 
     // Block i: S_i and P_{i−1}·V_{i−1} in one batch; the softmax of S_i overlaps the P·V.
     auto iteration = [&](int i, auto masked) __attribute__((always_inline)) {
@@ -488,7 +557,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       warpgroup_fence_operand(rP);
       release(ss.v_empty, prev);
       softmax.rescale(o_rc, correction, moved);
-      convert_into<T>(acc_s, rP);
+      to_p(i);
     };
     for (int i = 1; i < n_iters;) {
       for (; i < n_iters && block_needs_mask(i); ++i) iteration(i, std::true_type{});

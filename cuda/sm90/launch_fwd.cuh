@@ -66,10 +66,16 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, int device, bool
       tail,
   };
   auto launch = [&](auto split) {
-    constexpr auto kKernel = &flash_fwd_kernel<Tr, kExtras, decltype(split)::value>;
-    if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
-    kKernel<<<dim3(unsigned(grid)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
-    return cudaPeekAtLastError();
+    auto go = [&](auto dropout) {
+      constexpr auto kKernel = &flash_fwd_kernel<Tr, kExtras, decltype(split)::value, decltype(dropout)::value>;
+      if (cudaError_t err = allow_smem<kKernel>(kSmemBytes, device); err != cudaSuccess) return err;
+      kKernel<<<dim3(unsigned(grid)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
+      return cudaPeekAtLastError();
+    };
+    if constexpr (kExtras) {
+      if (p.dropout.rate > 0.f) return go(std::true_type{});
+    }
+    return go(std::false_type{});
   };
   if constexpr (Tr::kSplitTail) {
     if (tail.sk_ctas > 0) return launch(std::true_type{});

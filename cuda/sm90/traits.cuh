@@ -64,6 +64,15 @@ struct FwdTraits {
   // on few blocks instead of whenever some row of a warp meets a larger score. Not at d = 64, where the
   // rescale is cheap and the extra test per row cost 4 % (measured).
   static constexpr int kRescaleSlackLog2 = kHeadDim_ >= 128 ? 8 : 0;
+  // Dropout's Philox draws (most of its cost) run on the producer warpgroup's three idle warps, a block ahead,
+  // into shared memory, and a consumer only masks P: at d=64 (dropout 8.9 -> 8.05 ms at S=16k, 32 heads).
+  // At d=128 the drawing warps fall behind (their Philox issues at about 0.1 IPC beside the consumers') and
+  // the consumers wait: 4.5 -> 4.8-5.0 ms; they draw themselves there. The drawing warps need more registers
+  // than the TMA warp's 24 (spills in the Philox rounds).
+  static constexpr bool kKeepsAhead = kHeadDim_ <= 64;
+  static constexpr int kDrawProducerRegs = 56, kDrawConsumerRegs = 224;
+  static constexpr int kKeepGroups = kBlockN / 16, kKeepWordsPerRow = 4 * ((kKeepGroups + 7) / 8);
+  static_assert(kDrawProducerRegs + 2 * kDrawConsumerRegs == 3 * 168);
   static_assert(kMmaWarpGroups == 2 && kProducerRegs + 2 * kConsumerRegs == 3 * 168,
                 "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
   static_assert(kBlockN % 16 == 0 && kHeadDim_ % 16 == 0);
