@@ -1,9 +1,9 @@
 // Tile shapes, shared-memory layouts, MMAs and TMA types of the sm90 forward kernel (wgmma + TMA, sm_90a):
 // the only home of its tuning numbers. An unlisted head dim has no TileConfig and fails to compile.
 //
-// One thread block = one producer warpgroup (one warp issues every TMA load; it keeps 24 registers, 56 in the d=64 dropout kernel, whose other three
-// warps draw the dropout mask) and two
-// consumer warpgroups of 64 query rows each (240 registers: 24 + 2·240 = 3·168, the budget of 384 threads).
+// One thread block = one producer warpgroup (one warp issues every TMA load; it keeps 24 registers, 56 in the
+// d=64 dropout kernel, whose other three warps draw the mask) and two consumer warpgroups of 64 query rows
+// each (240 registers: 24 + 2·240 = 3·168, the budget of 384 threads).
 // A consumer holds S (kBlockN/2 fp32 per thread), P (kBlockN/4) and O (d/2) at once, since P·V of one block
 // runs while the softmax of the next is computed. The K and V stages fill shared memory:
 //   d=64 : 128 x 192, 2 stages:  16 KB Q + 2·2·24 KB K/V = 112 KB;  S 96 + P 48 + O 32 regs (a 128-key
