@@ -313,6 +313,36 @@ __forceinline__ __device__ void draw_row_keeps(const DropoutDraw& d, uint32_t he
   }
 }
 
+// The same decisions drawn by the quad itself: f(r, g, carry) for each of rows i[0..kRows) and groups
+// g0 + g, g < kGroups, with carry = keep_msbs of word q of that call (lane q of the quad: bytes 2h, 2h+1 are
+// the columns of atom 2g + h of the row). Each lane draws every fourth call and the quad swaps words, three
+// shuffles per four calls (past the last group, a draw nobody reads); all 32 lanes must call it together.
+template <int kGroups, int kRows, class F>
+__forceinline__ __device__ void quad_keep_words(const DropoutDraw& d, uint32_t head, const uint32_t (&i)[kRows],
+                                                uint32_t g0, F&& f) {
+  const int q = threadIdx.x & 3;
+  auto pick = [](uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, int k) {
+    const uint32_t lo = (k & 1) ? a1 : a0, hi = (k & 1) ? a3 : a2;
+    return (k & 2) ? hi : lo;
+  };
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; g += 4) {
+      const Philox4 w = dropout_words(d, head, i[r], g0 + uint32_t(g + q));
+      uint32_t got[4];  // got[x]: word q of group g + (q ^ x), from lane q ^ x
+      CUTE_UNROLL
+      for (int x = 0; x < 4; ++x) {
+        const uint32_t mine = pick(w.x[0], w.x[1], w.x[2], w.x[3], q ^ x);
+        got[x] = x == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, x);
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < 4 && g + j < kGroups; ++j)
+        f(r, g + j, keep_msbs(pick(got[0], got[1], got[2], got[3], q ^ j), d.threshold));
+    }
+  }
+}
+
 // The mask of the 16-bit pair of atom n (columns 8n + 2q, +1 of the block) from the lane's word for group n / 2
 // (see above): 0xffff in each half whose element is kept.
 __forceinline__ __device__ uint32_t keep_pair_mask(uint32_t word, int n) {
