@@ -503,7 +503,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       }
       return moved;
     };
-    // P_i (converted) with block it + i's keep words from the drawing warps, whose slot is then free again.
+    // P_i, converted, with dropout applied: drawn by the quads (kQuadDraws), or read from the drawing warps'
+    // slot of block it + i, which is then free again.
     auto to_p = [&](int i) __attribute__((always_inline)) {
       convert_into<T>(acc_s, rP);
       if (!dropout || !(kQuadDraws || kKeepsAhead)) return;
@@ -534,7 +535,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
-        for (int n = 0; n < decltype(size<1>(p_rc))::value / 2; ++n) pair(r, n) &= keep_pair_mask(words[r][n / 16], n);
+        for (int n = 0; n < decltype(size<1>(p_rc))::value / 2; ++n)
+          pair(r, n) &= keep_pair_mask(words[r][n / 16], n);
       }
     };
 
