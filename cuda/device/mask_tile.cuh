@@ -171,6 +171,22 @@ __device__ void narrow_by_ids(const int32_t* a_ids, int64_t a_begin, int64_t a_e
   }
 }
 
+// Selection by a lane's two index bits, branch-free.
+__forceinline__ __device__ uint32_t pick4(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, int i) {
+  const uint32_t lo = (i & 1) ? a1 : a0, hi = (i & 1) ? a3 : a2;
+  return (i & 2) ? hi : lo;
+}
+
+// The quad's swap of the calls its four lanes drew: got[x] = word q of lane q ^ x's call (which sends its word
+// q = its own index ^ x), three shuffles. All 32 lanes must call it together.
+__forceinline__ __device__ void swap_quad_words(const Philox4& w, int q, uint32_t (&got)[4]) {
+  CUTE_UNROLL
+  for (int x = 0; x < 4; ++x) {
+    const uint32_t mine = pick4(w.x[0], w.x[1], w.x[2], w.x[3], q ^ x);
+    got[x] = x == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, x);
+  }
+}
+
 // Calls f(r, c, keep) for every element of a rowcol view of an m16n8 accumulator (mma.sync or wgmma), keep =
 // philox.h's decision for (head, row0 + row, col0 + col); col0 and the columns a thread's atoms start at are
 // multiples of 16 and 8. The four lanes of a quad hold the same rows, lane q the columns 2q, 2q+1 (mod 8),
@@ -188,11 +204,7 @@ __forceinline__ __device__ void for_each_keep(TC const& coords, const DropoutDra
   constexpr int kPairs = kRows * kGroups;
   static_assert((kAtomsPerGroup == 1 || kAtomsPerGroup == 2) && kCols % kWidth == 0);
   const int q = threadIdx.x & 3;
-  // Selections by the lane's bits, branch-free. The counter is 32-bit: so is the index arithmetic.
-  auto pick = [](uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, int i) {
-    const uint32_t lo = (i & 1) ? a1 : a0, hi = (i & 1) ? a3 : a2;
-    return (i & 2) ? hi : lo;
-  };
+  // The counter is 32-bit: so is the index arithmetic.
   auto row_of = [&](int r) { return uint32_t(row0) + uint32_t(cute::get<0>(coords(r, 0))); };
   auto group_of = [&](int g) { return (uint32_t(col0) + uint32_t(cute::get<1>(coords(0, g * kWidth)))) >> 4; };
   const uint32_t threshold24 = d.threshold << 24;
@@ -209,21 +221,15 @@ __forceinline__ __device__ void for_each_keep(TC const& coords, const DropoutDra
       auto at = [&](int u, bool want_row) {
         return u >= kPairs ? 0u : want_row ? row_of(u / kGroups) : group_of(u % kGroups);
       };
-      row = pick(at(4 * k, true), at(4 * k + 1, true), at(4 * k + 2, true), at(4 * k + 3, true), q);
-      group = pick(at(4 * k, false), at(4 * k + 1, false), at(4 * k + 2, false), at(4 * k + 3, false), q);
+      row = pick4(at(4 * k, true), at(4 * k + 1, true), at(4 * k + 2, true), at(4 * k + 3, true), q);
+      group = pick4(at(4 * k, false), at(4 * k + 1, false), at(4 * k + 2, false), at(4 * k + 3, false), q);
     }
-    const Philox4 w = dropout_words(d, head, row, group);
-    // got[x]: word q of pair 4k + (q ^ x), sent by lane q ^ x (which picks word q = its own index ^ x).
-    uint32_t got[4];
-    CUTE_UNROLL
-    for (int x = 0; x < 4; ++x) {
-      const uint32_t mine = pick(w.x[0], w.x[1], w.x[2], w.x[3], q ^ x);
-      got[x] = x == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, x);
-    }
+    uint32_t got[4];  // got[x]: word q of pair 4k + (q ^ x)
+    swap_quad_words(dropout_words(d, head, row, group), q, got);
     CUTE_UNROLL
     for (int j = 0; j < 4 && 4 * k + j < kPairs; ++j) {
       const int u = 4 * k + j, r = u / kGroups, c0 = (u % kGroups) * kWidth;
-      const uint32_t word = pick(got[0], got[1], got[2], got[3], q ^ j);
+      const uint32_t word = pick4(got[0], got[1], got[2], got[3], q ^ j);
       CUTE_UNROLL
       for (int c = c0; c < c0 + kWidth; ++c) {
         // Byte 2 * (which half of the group) + (which of the lane's two columns), moved to the top: the
@@ -321,24 +327,15 @@ template <int kGroups, int kRows, class F>
 __forceinline__ __device__ void quad_keep_words(const DropoutDraw& d, uint32_t head, const uint32_t (&i)[kRows],
                                                 uint32_t g0, F&& f) {
   const int q = threadIdx.x & 3;
-  auto pick = [](uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, int k) {
-    const uint32_t lo = (k & 1) ? a1 : a0, hi = (k & 1) ? a3 : a2;
-    return (k & 2) ? hi : lo;
-  };
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     CUTE_UNROLL
     for (int g = 0; g < kGroups; g += 4) {
-      const Philox4 w = dropout_words(d, head, i[r], g0 + uint32_t(g + q));
-      uint32_t got[4];  // got[x]: word q of group g + (q ^ x), from lane q ^ x
-      CUTE_UNROLL
-      for (int x = 0; x < 4; ++x) {
-        const uint32_t mine = pick(w.x[0], w.x[1], w.x[2], w.x[3], q ^ x);
-        got[x] = x == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, x);
-      }
+      uint32_t got[4];  // got[x]: word q of group g + (q ^ x)
+      swap_quad_words(dropout_words(d, head, i[r], g0 + uint32_t(g + q)), q, got);
       CUTE_UNROLL
       for (int j = 0; j < 4 && g + j < kGroups; ++j)
-        f(r, g + j, keep_msbs(pick(got[0], got[1], got[2], got[3], q ^ j), d.threshold));
+        f(r, g + j, keep_msbs(pick4(got[0], got[1], got[2], got[3], q ^ j), d.threshold));
     }
   }
 }
