@@ -112,6 +112,9 @@ DROPOUT_CASES = [  # (Sq, Sk, Hq, Hk, D, mask kind, dtype, rate)
     # The sm90 backward's transposed draw: GQA, segments, softcap, a partial last key block.
     (200, 190, 6, 2, 128, "causal-segments-lengths-softcap", "bfloat16", 0.2),
     (97, 300, 2, 1, 64, "softcap-5", "float16", 0.5),
+    # Its kernel of dropout alone: GQA, lengths, a partial last key block; a window at D=64.
+    (200, 190, 6, 2, 128, "lengths", "bfloat16", 0.2),
+    (97, 300, 2, 1, 64, "top-left-window-lengths", "float16", 0.5),
 ]
 
 

@@ -16,7 +16,10 @@
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
 //   dQ warp:        deterministic mode only (the producer warpgroup's second warp), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
-// (keep_bits_transposed: one 32-bit mask per thread).
+// (keep_bits_transposed: one 32-bit mask per thread). kExtras compiles in softcap, segment ids and dropout,
+// each taken at run time; kDropout (without kExtras) is the kernel of dropout alone, which runs only with
+// dropout: beside the branch without it, ptxas spilled three times as much at d = 128, in the loop too, and
+// the backward ran 8-15 % slower.
 // Deterministic mode adds into each query block's rows of dq_accum in n_block order: a turn counter per (batch,
 // query head, query block, consumer) says which K/V block adds next. The dQ warp takes each staged tile, waits
 // for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits the
@@ -240,7 +243,7 @@ __forceinline__ __device__ void store_dkdv(const BwdKernelParams<Tr>& kp, Storag
   }
 }
 
-template <class Tr, bool kExtras, bool kOrdered>
+template <class Tr, bool kExtras, bool kOrdered, bool kDropout>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
@@ -268,7 +271,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   auto parity_of = [](int64_t it) { return uint32_t((it / kStages) & 1); };
 
   if (tid == 0) {
-    if (kExtras && p.dropout.rate > 0.f) ss.draw = dropout_draw(p.dropout, batch);
+    if (kDropout || (kExtras && p.dropout.rate > 0.f)) ss.draw = dropout_draw(p.dropout, batch);
     init_bwd_barriers<Tr>(ss);
   }
   cutlass::arch::fence_barrier_init();
@@ -393,8 +396,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
 
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
-  const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
-  const bool dropout = kExtras && extras.dropout;
+  static_assert(!(kExtras && kDropout), "the extras kernel decides dropout at run time");
+  const BwdExtras extras = kExtras || kDropout ? BwdExtras(p, batch) : BwdExtras();
+  const bool dropout = kDropout || (kExtras && extras.dropout);
 
   auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
   // Whether a query block needs the per-key mask, decided once for this K/V block: the whole mask's state
@@ -454,7 +458,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
                                                     lse2[c]);
         }
       };
-      if (extras.softcap > 0.f) drop_all(std::true_type{});
+      if (kExtras && extras.softcap > 0.f) drop_all(std::true_type{});
       else drop_all(std::false_type{});
     } else {
       dprobs_to_dscores<kExtras, 0>(dp_t, s_t, c_t, delta, lse2, extras, uint32_t(head), m0, n0);
