@@ -112,6 +112,9 @@ DROPOUT_CASES = [  # (Sq, Sk, Hq, Hk, D, mask kind, dtype, rate)
     # The sm90 backward's transposed draw: GQA, segments, softcap, a partial last key block.
     (200, 190, 6, 2, 128, "causal-segments-lengths-softcap", "bfloat16", 0.2),
     (97, 300, 2, 1, 64, "softcap-5", "float16", 0.5),
+    # Its kernel of dropout alone: GQA, lengths, a partial last key block; a window at D=64.
+    (200, 190, 6, 2, 128, "lengths", "bfloat16", 0.2),
+    (97, 300, 2, 1, 64, "top-left-window-lengths", "float16", 0.5),
 ]
 
 
@@ -132,6 +135,30 @@ def test_cuda_dropout_matches_oracle(case, deterministic):
                            softcap=kind.get("softcap"), window=kind.get("window"),
                            bottom_right=not kind.get("top_left", False), offset=kind.get("offset", 0), keep=keep,
                            rate=rate, **kw)
+    for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
+        check_close(name, g, r, n, dtype, f"{case} deterministic={deterministic}")
+
+
+# Softcap without segment ids and dropout: the sm90 backward's kernel of softcap alone (deterministic calls run
+# the kernel of all extras). GQA, causal with lengths, partial blocks on both sides.
+SOFTCAP_KIND = dict(causal=True, softcap=3.0, lengths=KINDS["lengths"]["lengths"])
+SOFTCAP_CASES = [c for c in [(200, 190, 6, 2, 128, "bfloat16"), (97, 300, 2, 1, 64, "float16"),
+                             (255, 113, 4, 4, 128, "float16"), (113, 255, 4, 2, 64, "bfloat16")]
+                 if (c[5], c[4]) in COMPILED]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_softcap_with_lengths_matches_oracle(case, deterministic):
+    sq, sk, hq, hk, d, dtype = case
+    kind = SOFTCAP_KIND
+    rng = np.random.default_rng(sq * 5 + sk)
+    q, k, v, do = make_inputs(sq * 3 + sk, LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
+    kw = mask_arrays(kind, rng, sq, sk)
+    poison(q, k, v, q, k, jax.ShapeDtypeStruct(q.shape, jnp.float32))  # o and the gradients; the fp32 dq workspace
+    got = jax.jit(lambda *a: run(*a, kind, kw, "cuda", deterministic))(q, k, v, do)
+    naive = run(q, k, v, do, kind, kw, "reference")
+    ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=True, softcap=kind["softcap"], **kw)
     for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
         check_close(name, g, r, n, dtype, f"{case} deterministic={deterministic}")
 

@@ -83,12 +83,17 @@ def test_sm90_backward_kernels_use_wgmma_tma_and_setmaxnreg():
     kernels = {n: b for n, b in functions.items() if n.startswith("_ZN8jaxflash4sm9016flash_bwd_kernel")}
     split_d = {n: b for n, b in functions.items() if n.startswith("_ZN8jaxflash4sm9024flash_bwd_split_d_kernel")}
     n_split = sum(d > 128 for _, d in configs)
-    # Up to d = 128, four variants per configuration: with and without the extras, each also for
-    # deterministic=True (the template's last flag: ...Lb0ELb1EE... in the mangled name). Past 128, the
-    # split-d kernel: with and without the extras (its deterministic calls run the sm80 backward).
-    ordered = [n for n in kernels if re.search(r"Lb[01]ELb1EEEv", n)]
-    assert len(kernels) == 4 * (len(configs) - n_split) and len(ordered) == 2 * (len(configs) - n_split), \
-        sorted(kernels)
+    # Up to d = 128, six variants per configuration: no extras and all of them, each also for
+    # deterministic=True, and softcap alone and dropout alone (the template's arguments: the Extras kind
+    # kNone, kSoftcap, kDropout, kAll as 0-3, then deterministic; e.g. ...ExtrasE0ELb1EEEv for the
+    # deterministic plain kernel). Past 128, the split-d kernel: with and without the extras (its deterministic
+    # calls run the sm80 backward).
+    flags = {n: re.search(r"ExtrasE([0-3])ELb([01])EEEv", n).groups() for n in kernels}
+    ordered = [n for n, f in flags.items() if f[1] == "1"]
+    n_small = len(configs) - n_split
+    assert len(kernels) == 6 * n_small, sorted(kernels)
+    want = ([(x, "0") for x in "0123"] + [("0", "1"), ("3", "1")]) * n_small
+    assert sorted(flags.values()) == sorted(want), sorted(kernels)
     assert len(split_d) == 2 * n_split, sorted(split_d)
     for name, body in split_d.items():
         # Every GEMM with both operands in shared memory; dQ added by fp32 vector atomics.

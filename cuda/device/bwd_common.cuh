@@ -107,7 +107,8 @@ __forceinline__ __device__ void scores_to_probs(TS& s, const float (&lse2)[kRows
 // score over the cap, recovered from P itself (log2 P + lse2 = s'·log2 e) instead of holding the scores in
 // registers. Without softcap and dropout this is the plain P ∘ (dP − delta). kKeepAtoms: for_each_keep's
 // kAtomsPerGroup for this accumulator layout, 0 where the caller applies dropout itself (BwdExtras::drop).
-template <bool kExtras, int kKeepAtoms, class TP, class TD, class TC, int kRows>
+// kCapAlways: a kernel that runs only with softcap, which need not compile the branch without it.
+template <bool kExtras, int kKeepAtoms, bool kCapAlways = false, class TP, class TD, class TC, int kRows>
 __forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP& pr, TC const& coords, const float (&delta)[kRows],
                                                   const float (&lse2)[kRows], const BwdExtras& x, uint32_t head,
                                                   int64_t m0, int64_t n0) {
@@ -119,7 +120,7 @@ __forceinline__ __device__ void dprobs_to_dscores(TD& dp, TP& pr, TC const& coor
       return;
     }
   }
-  if (kExtras && x.softcap > 0.f) {
+  if (kCapAlways || (kExtras && x.softcap > 0.f)) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL

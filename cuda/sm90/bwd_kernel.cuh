@@ -16,7 +16,7 @@
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
 //   dQ warp:        deterministic mode only (the producer warpgroup's second warp), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
-// (keep_bits_transposed: one 32-bit mask per thread).
+// (keep_bits_transposed: one 32-bit mask per thread). Which extras a kernel holds is its Extras argument.
 // Deterministic mode adds into each query block's rows of dq_accum in n_block order: a turn counter per (batch,
 // query head, query block, consumer) says which K/V block adds next. The dQ warp takes each staged tile, waits
 // for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits the
@@ -240,7 +240,13 @@ __forceinline__ __device__ void store_dkdv(const BwdKernelParams<Tr>& kp, Storag
   }
 }
 
-template <class Tr, bool kExtras, bool kOrdered>
+// The extras a backward kernel compiles in. kAll: softcap, segment ids and dropout, each decided at run time.
+// kSoftcap, kDropout: that extra alone, always on (the launcher's choice when it is the only one): beside the
+// branch without it, ptxas spilled about three times as much at d = 128, in the loop too, and the backward
+// with dropout ran 8-15 % slower.
+enum class Extras { kNone, kSoftcap, kDropout, kAll };
+
+template <class Tr, Extras kX, bool kOrdered>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __grid_constant__ BwdKernelParams<Tr> kp) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
@@ -257,7 +263,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int64_t seqlen_q = dims.seqlen_q;
 
-  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kExtras, kOrdered>(p, ss.scratch);
+  constexpr bool kAll = kX == Extras::kAll;  // segment ids, and the extras decided at run time
+  const bool softcap = kX == Extras::kSoftcap || (kAll && p.softcap > 0.f);
+  const bool dropout = kX == Extras::kDropout || (kAll && p.dropout.rate > 0.f);
+  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kAll, kOrdered>(p, ss.scratch);
   const int64_t n_block = w.n_block, batch = w.batch;
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
@@ -268,7 +277,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   auto parity_of = [](int64_t it) { return uint32_t((it / kStages) & 1); };
 
   if (tid == 0) {
-    if (kExtras && p.dropout.rate > 0.f) ss.draw = dropout_draw(p.dropout, batch);
+    if (dropout) ss.draw = dropout_draw(p.dropout, batch);
     init_bwd_barriers<Tr>(ss);
   }
   cutlass::arch::fence_barrier_init();
@@ -392,9 +401,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   // Where this warpgroup's dQ staging tile lies in the (kBlockM, d) tile.
   const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
 
-  const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
-  const BwdExtras extras = kExtras ? BwdExtras(p, batch) : BwdExtras();
-  const bool dropout = kExtras && extras.dropout;
+  const float score_log2 = (softcap ? 1.f : p.scale) * 1.4426950408889634f;
+  const BwdExtras extras = kX != Extras::kNone ? BwdExtras(p, batch) : BwdExtras();
 
   auto sync_consumers = [&](uint32_t id) { NamedBarrier::sync(kMmaThreads, id); };
   // Whether a query block needs the per-key mask, decided once for this K/V block: the whole mask's state
@@ -434,15 +442,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     load_stats(ss.lse2[stage], lse2);
 
     warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
-    if (kExtras && p.softcap > 0.f) softcap_scores(acc_s, p.scale, p.softcap);
+    if (softcap) softcap_scores(acc_s, p.scale, p.softcap);
     if (mask_always || m0 < full_rows_begin || m_end > full_rows_end)
-      mask_scores_by_key<kM, kExtras>(s_kq, c_kq, bm, n0, m0);
+      mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
     scores_to_probs(s_t, lse2, score_log2);
     load_stats(ss.delta[stage], delta);
     warpgroup_wait<0>();
     // Softcap's gradient needs lse2 again: read anew after the wait (a memory clobber), so the registers of
     // the first read are free while dPᵀ lands instead of live across it.
-    if constexpr (kExtras) load_stats(ss.lse2[stage], lse2);
+    if constexpr (kAll || kX == Extras::kSoftcap) load_stats(ss.lse2[stage], lse2);
     if (dropout) {
       // Softcap's factor only where asked: the loop without it is the common case.
       auto drop_all = [&](auto with_cap) {
@@ -454,10 +462,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
                                                     lse2[c]);
         }
       };
-      if (extras.softcap > 0.f) drop_all(std::true_type{});
+      if (softcap) drop_all(std::true_type{});
       else drop_all(std::false_type{});
     } else {
-      dprobs_to_dscores<kExtras, 0>(dp_t, s_t, c_t, delta, lse2, extras, uint32_t(head), m0, n0);
+      dprobs_to_dscores<kX != Extras::kNone, 0, kX == Extras::kSoftcap>(dp_t, s_t, c_t, delta, lse2, extras,
+                                                                       uint32_t(head), m0, n0);
     }
     convert_into<T>(acc_s, rP);
     convert_into<T>(acc_dp, rdS);

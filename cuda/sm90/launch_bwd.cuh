@@ -16,13 +16,15 @@
 
 namespace jaxflash::sm90 {
 
-template <class Tr, bool kExtras, bool kOrdered>
+// kX: the extras compiled in (bwd_kernel.cuh); the split-d kernel has only kNone and kAll (its kExtras).
+template <class Tr, Extras kX, bool kOrdered>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device) {
   using T = typename Tr::Element;
   static_assert(!(Tr::kSplitD && kOrdered), "the split-d kernel has no deterministic mode");
+  static_assert(!Tr::kSplitD || kX == Extras::kNone || kX == Extras::kAll, "the split-d kernel: all or none");
   constexpr auto kKernel = [] {
-    if constexpr (Tr::kSplitD) return &flash_bwd_split_d_kernel<Tr, kExtras>;
-    else return &flash_bwd_kernel<Tr, kExtras, kOrdered>;
+    if constexpr (Tr::kSplitD) return &flash_bwd_split_d_kernel<Tr, kX == Extras::kAll>;
+    else return &flash_bwd_kernel<Tr, kX, kOrdered>;
   }();
   using Storage = std::conditional_t<Tr::kSplitD, BwdSplitDSharedStorage<Tr>, BwdSharedStorage<Tr>>;
   constexpr int kSmemBytes = int(sizeof(Storage));
@@ -66,13 +68,24 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   if (p.deterministic && (Tr::kSplitD || p.mask.q_segment_ids != nullptr)) return cudaErrorNotSupported;
   cudaError_t err;
   if ((err = launch_bwd_preprocess<T, kHeadDim>(p, /*clear_dq_accum=*/true, stream)) != cudaSuccess) return err;
-  err = with_extras(p, [&](auto extras) {
-    constexpr bool kExtras = decltype(extras)::value;
-    if constexpr (Tr::kSplitD) return launch_bwd_main<Tr, kExtras, false>(p, stream, device);
+  // One extra alone runs a kernel of its own (bwd_kernel.cuh), except in deterministic calls, whose ordered
+  // kernels are those with none and with all (an ordered kernel of dropout alone measured 2 % slower).
+  const bool cap = p.softcap > 0.f, drop = p.dropout.rate > 0.f, seg = p.mask.q_segment_ids != nullptr;
+  const bool alone = !Tr::kSplitD && !p.deterministic && !seg && cap != drop;
+  auto launch = [&](auto x) -> cudaError_t {
+    constexpr Extras kX = decltype(x)::value;
+    constexpr bool kAlone = kX == Extras::kSoftcap || kX == Extras::kDropout;
+    if constexpr (Tr::kSplitD && kAlone) return cudaErrorNotSupported;  // never chosen: alone is false
+    else if constexpr (Tr::kSplitD || kAlone) return launch_bwd_main<Tr, kX, false>(p, stream, device);
     else
-      return p.deterministic ? launch_bwd_main<Tr, kExtras, true>(p, stream, device)
-                             : launch_bwd_main<Tr, kExtras, false>(p, stream, device);
-  });
+      return p.deterministic ? launch_bwd_main<Tr, kX, true>(p, stream, device)
+                             : launch_bwd_main<Tr, kX, false>(p, stream, device);
+  };
+  using std::integral_constant;
+  err = alone ? (cap ? launch(integral_constant<Extras, Extras::kSoftcap>{})
+                     : launch(integral_constant<Extras, Extras::kDropout>{}))
+              : (cap || drop || seg ? launch(integral_constant<Extras, Extras::kAll>{})
+                                    : launch(integral_constant<Extras, Extras::kNone>{}));
   if (err != cudaSuccess) return err;
   return launch_convert_dq<T, kHeadDim>(p, stream, device);
 }
