@@ -40,22 +40,29 @@ def _need_cuda_module():
         pytest.skip("jaxflash was built without its CUDA module")
 
 
+def _check_cuda_against_oracle(inputs, kind, kw, dtype, deterministic, case, rate=0.0, key=None):
+    """The CUDA kernels' (o, lse, dq, dk, dv) of `kind` against the float64 oracle, outputs poisoned beforehand."""
+    q, k, v, do = inputs
+    poison(q, k, v, q, k, jax.ShapeDtypeStruct(q.shape, jnp.float32))  # o and the gradients; the fp32 dq workspace
+    got = jax.block_until_ready(jax.jit(lambda *a: run(*a, kind, kw, "cuda", deterministic, rate, key))(*inputs))
+    naive = run(*inputs, kind, kw, "reference", rate=rate, key=key)
+    drop = {} if rate == 0.0 else dict(keep=np.asarray(jaxflash.dropout_mask(key, LEAD[0], q.shape[-2], q.shape[-3],
+                                                                             k.shape[-3], rate)), rate=rate)
+    ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=kind.get("causal", False),
+                           softcap=kind.get("softcap"), window=kind.get("window"),
+                           bottom_right=not kind.get("top_left", False), offset=kind.get("offset", 0), **drop, **kw)
+    for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
+        check_close(name, g, r, n, dtype, f"{case} deterministic={deterministic}")
+
+
 @pytest.mark.parametrize("kind_name,shape,dtype,deterministic", CASES, ids=lambda x: str(x).replace(" ", ""))
 def test_cuda_masks_match_oracle(kind_name, shape, dtype, deterministic):
     kind = KINDS[kind_name]
     sq, sk, hq, hk, d = shape
     rng = np.random.default_rng(stable_seed(kind_name, shape, dtype))
-    q, k, v, do = make_inputs(int(rng.integers(2**31)), LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
-    kw = mask_arrays(kind, rng, sq, sk)
-    poison(q, k, v, q, k, jax.ShapeDtypeStruct(q.shape, jnp.float32))  # o and the gradients; the fp32 dq workspace
-    got = jax.block_until_ready(jax.jit(lambda *a: run(*a, kind, kw, "cuda", deterministic))(q, k, v, do))
-    naive = run(q, k, v, do, kind, kw, "reference")
-    ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=kind.get("causal", False),
-                           softcap=kind.get("softcap"), window=kind.get("window"),
-                           bottom_right=not kind.get("top_left", False), offset=kind.get("offset", 0), **kw)
-    case = f"{kind_name} {shape} {dtype} deterministic={deterministic}"
-    for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
-        check_close(name, g, r, n, dtype, case)
+    inputs = make_inputs(int(rng.integers(2**31)), LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
+    _check_cuda_against_oracle(inputs, kind, mask_arrays(kind, rng, sq, sk), dtype, deterministic,
+                               f"{kind_name} {shape} {dtype}")
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -124,19 +131,9 @@ def test_cuda_dropout_matches_oracle(case, deterministic):
     sq, sk, hq, hk, d, kind_name, dtype, rate = case
     kind = KINDS[kind_name]
     rng = np.random.default_rng(sq * 7 + sk)
-    q, k, v, do = make_inputs(sq + sk, LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
-    kw = mask_arrays(kind, rng, sq, sk)
-    key = jax.random.key(sq * 1000 + sk)
-    poison(q, k, v, q, k, jax.ShapeDtypeStruct(q.shape, jnp.float32))  # o and the gradients; the fp32 dq workspace
-    got = jax.jit(lambda *a: run(*a, kind, kw, "cuda", deterministic, rate, key))(q, k, v, do)
-    naive = run(q, k, v, do, kind, kw, "reference", rate=rate, key=key)
-    keep = np.asarray(jaxflash.dropout_mask(key, LEAD[0], hq, sq, sk, rate))
-    ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=kind.get("causal", False),
-                           softcap=kind.get("softcap"), window=kind.get("window"),
-                           bottom_right=not kind.get("top_left", False), offset=kind.get("offset", 0), keep=keep,
-                           rate=rate, **kw)
-    for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
-        check_close(name, g, r, n, dtype, f"{case} deterministic={deterministic}")
+    inputs = make_inputs(sq + sk, LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
+    _check_cuda_against_oracle(inputs, kind, mask_arrays(kind, rng, sq, sk), dtype, deterministic, case, rate,
+                               jax.random.key(sq * 1000 + sk))
 
 
 # Softcap without segment ids and dropout: the sm90 backward's kernel of softcap alone (deterministic calls run
@@ -151,16 +148,10 @@ SOFTCAP_CASES = [c for c in [(200, 190, 6, 2, 128, "bfloat16"), (97, 300, 2, 1, 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_cuda_softcap_with_lengths_matches_oracle(case, deterministic):
     sq, sk, hq, hk, d, dtype = case
-    kind = SOFTCAP_KIND
     rng = np.random.default_rng(sq * 5 + sk)
-    q, k, v, do = make_inputs(sq * 3 + sk, LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
-    kw = mask_arrays(kind, rng, sq, sk)
-    poison(q, k, v, q, k, jax.ShapeDtypeStruct(q.shape, jnp.float32))  # o and the gradients; the fp32 dq workspace
-    got = jax.jit(lambda *a: run(*a, kind, kw, "cuda", deterministic))(q, k, v, do)
-    naive = run(q, k, v, do, kind, kw, "reference")
-    ref = oracle.attention(f64(q), f64(k), f64(v), do=f64(do), causal=True, softcap=kind["softcap"], **kw)
-    for name, g, r, n in zip(("o", "lse", "dq", "dk", "dv"), got, ref, naive):
-        check_close(name, g, r, n, dtype, f"{case} deterministic={deterministic}")
+    inputs = make_inputs(sq * 3 + sk, LEAD, sq, sk, hq, hk, d, DTYPES[dtype])
+    _check_cuda_against_oracle(inputs, SOFTCAP_KIND, mask_arrays(SOFTCAP_KIND, rng, sq, sk), dtype, deterministic,
+                               case)
 
 
 def test_cuda_extras_deterministic_mode_is_bitwise_reproducible():

@@ -84,8 +84,8 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   using std::integral_constant;
   err = alone ? (cap ? launch(integral_constant<Extras, Extras::kSoftcap>{})
                      : launch(integral_constant<Extras, Extras::kDropout>{}))
-              : (cap || drop || seg ? launch(integral_constant<Extras, Extras::kAll>{})
-                                    : launch(integral_constant<Extras, Extras::kNone>{}));
+              : (needs_extras(p) ? launch(integral_constant<Extras, Extras::kAll>{})
+                                 : launch(integral_constant<Extras, Extras::kNone>{}));
   if (err != cudaSuccess) return err;
   return launch_convert_dq<T, kHeadDim>(p, stream, device);
 }
