@@ -39,6 +39,18 @@ __forceinline__ __device__ auto rowcol(Tensor&& t) {
   return cute::make_tensor(t.data(), rowcol_layout(t.layout()));
 }
 
+// v[0] op v[1] op ... as a tree of depth log2(N) (N a power of two): the join of independent partial chains.
+template <int N, class Op>
+__forceinline__ __device__ float fold_tree(float (&v)[N], Op op) {
+  static_assert(N >= 1 && (N & (N - 1)) == 0);
+#pragma unroll
+  for (int w = N / 2; w > 0; w /= 2) {
+#pragma unroll
+    for (int j = 0; j < w; ++j) v[j] = op(v[j], v[j + w]);
+  }
+  return v[0];
+}
+
 template <int kNRows>
 struct OnlineSoftmax {
   float row_max[kNRows];
@@ -76,7 +88,7 @@ struct OnlineSoftmax {
   __forceinline__ __device__ bool update_max(TS const& s, float scale_log2, float (&correction)[kNRows]) {
     static_assert(decltype(cute::size<0>(s))::value == kNRows);
     constexpr int kCols = decltype(cute::size<1>(s))::value;
-    static_assert(kChains >= 1 && (kChains & (kChains - 1)) == 0 && kChains <= kCols);
+    static_assert(kChains <= kCols);  // and a power of two (fold_tree)
     bool max_moved = false;
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
@@ -85,12 +97,7 @@ struct OnlineSoftmax {
       for (int j = 0; j < kChains; ++j) part[j] = j == 0 ? fmaxf(row_max[r], s(r, 0)) : s(r, j);
 #pragma unroll
       for (int c = kChains; c < kCols; ++c) part[c % kChains] = fmaxf(part[c % kChains], s(r, c));
-#pragma unroll
-      for (int w = kChains / 2; w > 0; w /= 2) {
-#pragma unroll
-        for (int j = 0; j < w; ++j) part[j] = fmaxf(part[j], part[j + w]);
-      }
-      float m = part[0];
+      float m = fold_tree(part, [](float a, float b) { return fmaxf(a, b); });
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       if constexpr (kSlackLog2 > 0) {
@@ -126,7 +133,7 @@ struct OnlineSoftmax {
   template <int kChains = 1, class TS>
   __forceinline__ __device__ void exponentiate(TS& s, float scale_log2) {
     constexpr int kCols = decltype(cute::size<1>(s))::value;
-    static_assert(kChains >= 1 && (kChains & (kChains - 1)) == 0 && kChains <= kCols);
+    static_assert(kChains <= kCols);  // and a power of two (fold_tree)
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
       const float m_safe = row_max[r] == -INFINITY ? 0.f : row_max[r];
@@ -140,12 +147,7 @@ struct OnlineSoftmax {
         s(r, c) = p;
         sum[c % kChains] += p;
       }
-#pragma unroll
-      for (int w = kChains / 2; w > 0; w /= 2) {
-#pragma unroll
-        for (int j = 0; j < w; ++j) sum[j] += sum[j + w];
-      }
-      row_sum[r] += sum[0];
+      row_sum[r] += fold_tree(sum, [](float a, float b) { return a + b; });
     }
   }
 
