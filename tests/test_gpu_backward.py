@@ -158,6 +158,7 @@ def test_grad_under_jit_and_vmap():
         np.testing.assert_allclose(f64(a), f64(b), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.bigmem
 def test_backward_64bit_offsets():
     """k and v hold more than 2^31 elements; the second batch entry's dK and dV lie past that offset."""
     sk, d = (1 << 23) + 17, 128

@@ -98,6 +98,7 @@ def test_forward_deterministic():
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.bigmem
 def test_forward_64bit_offsets():
     """k and v hold more than 2^31 elements; the second batch entry lies past that offset. Query row 0
     of that entry is made to attend almost only to a key near the very end, so O there is a V row."""
