@@ -134,8 +134,8 @@ __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
   ClusterTransactionBarrier::init(&ss.kv_full, 1);
   CUTE_UNROLL
   for (int s = 0; s < Tr::kStages; ++s) {
-    ClusterTransactionBarrier::init(&ss.q_full[s], 1);
-    ClusterTransactionBarrier::init(&ss.do_full[s], 1);
+    ClusterTransactionBarrier::init(&ss.q_full[s], 32);  // every producer lane: see produce_bwd
+    ClusterTransactionBarrier::init(&ss.do_full[s], 32);
     ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaWarpGroups);
     ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaWarpGroups);
   }
@@ -186,22 +186,26 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
     auto [tQg, tQs] = tma_partition(kp.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tdOg, tdOs] =
         tma_partition(kp.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-    // Stats as lse_log2_of and load_row_stats give them: rows past q_len get P = 0 and delta 0. The
-    // lanes' stores are ordered before lane 0's arrive (release) by __syncwarp.
+    // Stats as lse_log2_of and load_row_stats give them: rows past q_len get P = 0 and delta 0. Every lane
+    // arrives on the full barrier after its own stores: an arrive releases only its own thread's writes, so
+    // lane 0's arrive after a __syncwarp left the other lanes' stores unordered for the readers (racecheck
+    // reported it on an H100).
     const int64_t m0 = int64_t(m_block) * kM, stat_off = (batch * dims.heads_q + head) * seqlen_q;
     ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
     for (int r = lane; r < kM; r += 32) ss.lse2[stage][r] = lse_log2_of(p.lse + stat_off, m0 + r, bm.q_len);
-    __syncwarp();
     if (lane == 0) {
       ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[stage], Tr::kQBytes);
       copy(kp.tma_q.with(ss.q_full[stage]), tQg, tQs(_, stage));
+    } else {
+      ClusterTransactionBarrier::arrive(&ss.q_full[stage]);
     }
     ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
     for (int r = lane; r < kM; r += 32) ss.delta[stage][r] = m0 + r < bm.q_len ? p.delta[stat_off + m0 + r] : 0.f;
-    __syncwarp();
     if (lane == 0) {
       ClusterTransactionBarrier::arrive_and_expect_tx(&ss.do_full[stage], Tr::kQBytes);
       copy(kp.tma_do.with(ss.do_full[stage]), tdOg, tdOs(_, stage));
+    } else {
+      ClusterTransactionBarrier::arrive(&ss.do_full[stage]);
     }
   }
 }
