@@ -39,18 +39,6 @@ __forceinline__ __device__ auto rowcol(Tensor&& t) {
   return cute::make_tensor(t.data(), rowcol_layout(t.layout()));
 }
 
-// v[0] op v[1] op ... as a tree of depth log2(N) (N a power of two): the join of independent partial chains.
-template <int N, class Op>
-__forceinline__ __device__ float fold_tree(float (&v)[N], Op op) {
-  static_assert(N >= 1 && (N & (N - 1)) == 0);
-#pragma unroll
-  for (int w = N / 2; w > 0; w /= 2) {
-#pragma unroll
-    for (int j = 0; j < w; ++j) v[j] = op(v[j], v[j + w]);
-  }
-  return v[0];
-}
-
 template <int kNRows>
 struct OnlineSoftmax {
   float row_max[kNRows];
@@ -81,23 +69,15 @@ struct OnlineSoftmax {
   // (log2 units). Its probabilities then stay below 2^kSlackLog2, harmless in fp32 sums and bf16/fp16 P, and
   // since the sum and O are taken against the same max the result is unchanged but for rounding; O is rescaled
   // only when a row's max really jumps (mostly the first block), not whenever a new key is a little larger.
-  //
-  // kChains > 1: a row's maximum as that many independent chains of fmaxf, then a tree (the same instructions
-  // as one chain, a shorter dependency path before the exponentials can start).
-  template <int kSlackLog2 = 0, int kChains = 1, class TS>
+  template <int kSlackLog2 = 0, class TS>
   __forceinline__ __device__ bool update_max(TS const& s, float scale_log2, float (&correction)[kNRows]) {
     static_assert(decltype(cute::size<0>(s))::value == kNRows);
-    constexpr int kCols = decltype(cute::size<1>(s))::value;
-    static_assert(kChains <= kCols);  // and a power of two (fold_tree)
     bool max_moved = false;
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
-      float part[kChains];
+      float m = row_max[r];
 #pragma unroll
-      for (int j = 0; j < kChains; ++j) part[j] = j == 0 ? fmaxf(row_max[r], s(r, 0)) : s(r, j);
-#pragma unroll
-      for (int c = kChains; c < kCols; ++c) part[c % kChains] = fmaxf(part[c % kChains], s(r, c));
-      float m = fold_tree(part, [](float a, float b) { return fmaxf(a, b); });
+      for (int c = 0; c < cute::size<1>(s); ++c) m = fmaxf(m, s(r, c));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       if constexpr (kSlackLog2 > 0) {
@@ -129,25 +109,21 @@ struct OnlineSoftmax {
     }
   }
 
-  // ... and s -> exp(s − m_new), added to the row sums (kChains partial sums each).
-  template <int kChains = 1, class TS>
+  // ... and s -> exp(s − m_new), added to the row sums.
+  template <class TS>
   __forceinline__ __device__ void exponentiate(TS& s, float scale_log2) {
-    constexpr int kCols = decltype(cute::size<1>(s))::value;
-    static_assert(kChains <= kCols);  // and a power of two (fold_tree)
 #pragma unroll
     for (int r = 0; r < kNRows; ++r) {
       const float m_safe = row_max[r] == -INFINITY ? 0.f : row_max[r];
       const float m_scaled = m_safe * scale_log2;
-      float sum[kChains];
+      float sum = 0.f;
 #pragma unroll
-      for (int j = 0; j < kChains; ++j) sum[j] = 0.f;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
+      for (int c = 0; c < cute::size<1>(s); ++c) {
         const float p = exp2f(fmaf(s(r, c), scale_log2, -m_scaled));
         s(r, c) = p;
-        sum[c % kChains] += p;
+        sum += p;
       }
-      row_sum[r] += fold_tree(sum, [](float a, float b) { return a + b; });
+      row_sum[r] += sum;
     }
   }
 

@@ -494,10 +494,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       const int64_t n0 = int64_t(t.n_block_max - 1 - i) * kN;
       if (softcap > 0.f) softcap_scores(acc_s, p.scale, softcap);
       if constexpr (decltype(masked)::value) mask_scores<kN, kExtras>(s_rc, c_rc, t.bm, t.m0, n0);
-      const bool moved =
-          softmax.template update_max<Tr::kRescaleSlackLog2, Tr::kMaxChains>(s_rc, scale_log2, correction);
-      // The row sums see P before dropout: the LSE is undropped.
-      softmax.template exponentiate<Tr::kSumChains>(s_rc, scale_log2);
+      const bool moved = softmax.template update_max<Tr::kRescaleSlackLog2>(s_rc, scale_log2, correction);
+      softmax.exponentiate(s_rc, scale_log2);  // the row sums see P before dropout: the LSE is undropped
       if (dropout && !kQuadDraws && !kKeepsAhead) {
         for_each_keep<2>(c_rc, draw, uint32_t(t.head), t.m0, n0, [&](int r, int c, bool keep) {
           if (!keep) s_rc(r, c) = 0.f;

@@ -65,11 +65,6 @@ struct FwdTraits {
   // on few blocks instead of whenever some row of a warp meets a larger score. Not at d = 64, where the
   // rescale is cheap and the extra test per row cost 4 % (measured).
   static constexpr int kRescaleSlackLog2 = kHeadDim_ >= 128 ? 8 : 0;
-  // A row's maximum as kMaxChains independent fmaxf chains joined by a tree, its sum as kSumChains partial
-  // sums (softmax.cuh). With one chain, the SASS holds 48 (d=64) or 32 (d=128) dependent FMNMX per row before
-  // the first exponential; 8 chains compile to interleaved chains of 6 (same instruction count) but have not
-  // been timed yet: 1 keeps the kernels as measured.
-  static constexpr int kMaxChains = 1, kSumChains = 1;
   // Dropout's Philox draws (most of its cost) run on the producer warpgroup's three idle warps, a block ahead,
   // into shared memory, and a consumer only masks P: at d=64 (dropout 8.9 -> 8.05 ms at S=16k, 32 heads).
   // At d=128 the drawing warps fall behind (their Philox issues at about 0.1 IPC beside the consumers') and
