@@ -187,9 +187,8 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
     auto [tdOg, tdOs] =
         tma_partition(kp.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     // Stats as lse_log2_of and load_row_stats give them: rows past q_len get P = 0 and delta 0. Every lane
-    // arrives on the full barrier after its own stores: an arrive releases only its own thread's writes, so
-    // lane 0's arrive after a __syncwarp left the other lanes' stores unordered for the readers (racecheck
-    // reported it on an H100).
+    // arrives on the full barrier after its own stores: an arrive releases only its own thread's writes (and a
+    // __syncwarp orders them for the warp's lanes only, not for the consumers).
     const int64_t m0 = int64_t(m_block) * kM, stat_off = (batch * dims.heads_q + head) * seqlen_q;
     ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
     for (int r = lane; r < kM; r += 32) ss.lse2[stage][r] = lse_log2_of(p.lse + stat_off, m0 + r, bm.q_len);
