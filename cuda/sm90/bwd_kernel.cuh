@@ -7,7 +7,7 @@
 //   one block per (K/V block of kBlockN keys, batch, K/V head) keeps K and V in shared memory and dK, dV in
 //   registers, and visits every query block of every head of the group that can see its keys.
 //   producer warp:  TMA of K and V once, then of Q and dO per query block into kStages stages, with the
-//                   rows' LSE and delta beside them; it waits until both consumers released a stage.
+//                   rows' LSE and delta beside them; it waits until every consumer thread released a stage.
 //   2 consumers:    64 keys each. Per query block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, operands in shared
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
 //                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys.
@@ -127,23 +127,25 @@ __forceinline__ __device__ void zero_tails(TensorA&& a, TensorB&& b, int row_beg
   NamedBarrier::sync(Tr::kMmaThreads, BwdBar::kZeroed);
 }
 
-// The pipeline's barriers (one thread): a stage is full once its TMA bytes landed, empty once both consumers
-// released it.
+// The pipeline's barriers (one thread): a stage is full once its TMA bytes landed and every producer lane wrote
+// its stats, empty once every consumer thread released it. Each thread arrives for itself, since an arrive
+// releases only its own thread's accesses (with one arrive per consumer after a named barrier, racecheck
+// reported the stats' reads against the producer's next stores; every thread arriving costs nothing measurable).
 template <class Tr, class Storage>
 __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
   ClusterTransactionBarrier::init(&ss.kv_full, 1);
   CUTE_UNROLL
   for (int s = 0; s < Tr::kStages; ++s) {
-    ClusterTransactionBarrier::init(&ss.q_full[s], 32);  // every producer lane: see produce_bwd
+    ClusterTransactionBarrier::init(&ss.q_full[s], 32);
     ClusterTransactionBarrier::init(&ss.do_full[s], 32);
-    ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaWarpGroups);
-    ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaWarpGroups);
+    ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaWarpGroups * 128);
+    ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaWarpGroups * 128);
   }
 }
 
 // The producer warp of either backward kernel: K and V once, then Q and dO of every query block the block
-// visits into kStages stages, with the rows' lse2 and delta beside them; a stage is refilled once both
-// consumers released it.
+// visits into kStages stages, with the rows' lse2 and delta beside them; a stage is refilled once every
+// consumer thread released it.
 template <class Tr, class Storage>
 __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
                                             int lane) {
@@ -187,8 +189,7 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
     auto [tdOg, tdOs] =
         tma_partition(kp.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     // Stats as lse_log2_of and load_row_stats give them: rows past q_len get P = 0 and delta 0. Every lane
-    // arrives on the full barrier after its own stores: an arrive releases only its own thread's writes (and a
-    // __syncwarp orders them for the warp's lanes only, not for the consumers).
+    // arrives after its own stores (init_bwd_barriers).
     const int64_t m0 = int64_t(m_block) * kM, stat_off = (batch * dims.heads_q + head) * seqlen_q;
     ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
     for (int r = lane; r < kM; r += 32) ss.lse2[stage][r] = lse_log2_of(p.lse + stat_off, m0 + r, bm.q_len);
@@ -503,7 +504,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
     warpgroup_wait<1>();  // dV and dQ landed; dK still running
     warpgroup_fence_operand(rP);
-    if (releaser) ClusterBarrier::arrive(&ss.do_empty[stage]);
+    ClusterBarrier::arrive(&ss.do_empty[stage]);
     // dQ into this block's staging tile (deterministic mode: once the dQ warp has let it go).
     if (kOrdered && it > 0) NamedBarrier::sync(kDqSyncThreads, kBarDqEmpty + wg);
     Tensor sDq = dq_staging(wg, buf);
@@ -536,7 +537,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(rdS);
-    if (releaser) ClusterBarrier::arrive(&ss.q_empty[stage]);
+    ClusterBarrier::arrive(&ss.q_empty[stage]);
   }
 
   if (!kOrdered && releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile

@@ -84,7 +84,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
   const int mma_tid = tid - 128;
   const int wg = warp_group - 1;  // warp-uniform
-  const bool releaser = mma_tid % 128 == 0;
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
@@ -200,10 +199,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         atomic_add_pair(dq_row + get<1>(dq_c(r, c)), dq_rc(r, c), dq_rc(r, c + 1));
     }
     warpgroup_wait<0>();
-    if (releaser) {
-      ClusterBarrier::arrive(&ss.q_empty[stage]);
-      ClusterBarrier::arrive(&ss.do_empty[stage]);
-    }
+    ClusterBarrier::arrive(&ss.q_empty[stage]);
+    ClusterBarrier::arrive(&ss.do_empty[stage]);
   }
 
   store_dkdv<Tr>(kp, ss, w, rowcol(acc_dk), rowcol(acc_dv), thr_kv, mma_tid);
