@@ -80,9 +80,16 @@ ffi::Error SelectFamily(const char* target, int device, Pass pass, DType dtype, 
   } else if (is_compiled(Family::kSm80, pass, dtype, head_dim)) {
     *family = Family::kSm80;
   } else {
+    // A configuration list may give the sm90 family what the sm80 family lacks; this call needs the latter.
+    const bool sm90_only = is_compiled(Family::kSm90, pass, dtype, head_dim);
     return Invalid(target, std::string(dtype_name(dtype)) + " with head dim " + std::to_string(head_dim) +
                                " is not compiled for the " + (pass == Pass::kFwd ? "forward" : "backward") +
-                               " pass (compiled: " + CompiledList(pass) + ")");
+                               " pass" +
+                               (sm90_only ? " of the sm80 kernels, which this call needs (JAXFLASH_CUDA_KERNELS=sm80, "
+                                            "a GPU other than compute capability 9.0, or an option the sm90 "
+                                            "kernels do not take)"
+                                          : "") +
+                               " (compiled: " + CompiledList(pass) + ")");
   }
   return ffi::Error::Success();
 }
