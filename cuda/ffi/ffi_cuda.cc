@@ -85,9 +85,9 @@ ffi::Error SelectFamily(const char* target, int device, Pass pass, DType dtype, 
     return Invalid(target, std::string(dtype_name(dtype)) + " with head dim " + std::to_string(head_dim) +
                                " is not compiled for the " + (pass == Pass::kFwd ? "forward" : "backward") +
                                " pass" +
-                               (sm90_only ? " of the sm80 kernels, which this call needs (JAXFLASH_CUDA_KERNELS=sm80, "
-                                            "a GPU other than compute capability 9.0, or an option the sm90 "
-                                            "kernels do not take)"
+                               (sm90_only ? " of the sm80 kernels, which this call needs "
+                                            "(JAXFLASH_CUDA_KERNELS=sm80, a GPU other than compute capability "
+                                            "9.0, or an option the sm90 kernels do not take)"
                                           : "") +
                                " (compiled: " + CompiledList(pass) + ")");
   }

@@ -136,10 +136,10 @@ __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
   ClusterTransactionBarrier::init(&ss.kv_full, 1);
   CUTE_UNROLL
   for (int s = 0; s < Tr::kStages; ++s) {
-    ClusterTransactionBarrier::init(&ss.q_full[s], 32);
+    ClusterTransactionBarrier::init(&ss.q_full[s], 32);  // the producer warp's lanes
     ClusterTransactionBarrier::init(&ss.do_full[s], 32);
-    ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaWarpGroups * 128);
-    ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaWarpGroups * 128);
+    ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaThreads);
+    ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaThreads);
   }
 }
 
