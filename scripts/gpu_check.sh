@@ -23,8 +23,9 @@
 # the forward file with both families, -n 8 131 s; the bigmem tests run after them, alone). Timing on one
 # H200 (16 cores): build 136-183 s for 90a-real; per family, forward + backward tests ~210 s and masks + command
 # buffers ~200 s with -n 14; sanitizers ~30 s per family and run; the masks and dropout suites ~25 s with
-# --impls jaxflash. On an H100 with -n 12: sm80 forward + backward 255 s, masks + command buffers over 300 s. Over the device tool's 10-minute call limit, so run it there in parts (WHEEL_DIR=$OUT/w in the
-# first part, then carry that wheel and pass it as WHEEL): one family and one half of the tests per call, e.g.
+# --impls jaxflash. On an H100 with -n 12: sm80 forward + backward 255 s, masks + command buffers over 300 s.
+# Over the device tool's 10-minute call limit, so run it there in parts (WHEEL_DIR=$OUT/w in the first part, then
+# carry that wheel and pass it as WHEEL): one family and one half of the tests per call, e.g.
 # JAXFLASH_TEST_FAMILIES=auto with PYTEST_PATHS="tests/test_gpu_forward.py tests/test_gpu_backward.py", then with
 # PYTEST_PATHS="tests/test_gpu_masks.py tests/test_gpu_command_buffer.py", then the same for sm80.
 set -uo pipefail
