@@ -179,8 +179,9 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
       copy(kp.tma_v.with(ss.kv_full), tVg, tVs);
     }
   }
-  for (int64_t it = 0; it < w.n_iters; ++it) {
-    const int32_t head = int32_t(w.head(it)), m_block = int32_t(w.m_block(it));
+  KvBlockWork::Cursor cur = w.first();
+  for (int64_t it = 0; it < w.n_iters; ++it, w.advance(cur)) {
+    const int32_t head = int32_t(cur.head), m_block = int32_t(cur.m_block);
     const int stage = int(it % kStages);
     const uint32_t free_parity = uint32_t((it / kStages) & 1) ^ 1;  // a fresh barrier counts as released
     Tensor gQ = local_tile(mQ(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
@@ -275,8 +276,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
   const bool segments = w.segments;
-  auto iter_head = [&](int64_t it) { return w.head(it); };
-  auto iter_m_block = [&](int64_t it) { return w.m_block(it); };
   auto stage_of = [](int64_t it) { return int(it % kStages); };
   auto parity_of = [](int64_t it) { return uint32_t((it / kStages) & 1); };
 
@@ -321,24 +320,24 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     if (kOrdered && tid / 32 == 1 && n_iters > 0) {
       // ---- dQ warp (deterministic mode): per query block, each consumer's staged tile in turn order ----
       const int64_t m_blocks = (seqlen_q + kM - 1) / kM;
-      auto turn = [&](int64_t it, int g) {
-        const int64_t row = (batch * dims.heads_q + iter_head(it)) * m_blocks + iter_m_block(it);
-        return static_cast<int*>(p.dq) + row * kWG + g;
-      };
       const bool leader = tid == 32;
-      for (int64_t it = 0; it < n_iters; ++it) {
-        const int64_t m_block = iter_m_block(it);
+      KvBlockWork::Cursor cur = w.first();
+      for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+        const int64_t head = cur.head, m_block = cur.m_block;
+        auto turn = [&](int g) {
+          return static_cast<int*>(p.dq) + ((batch * dims.heads_q + head) * m_blocks + m_block) * kWG + g;
+        };
         const bool waits = w.pred_m_begin <= m_block && m_block < w.pred_m_end;  // the previous block adds first
         for (int g = 0; g < kWG; ++g) {
           NamedBarrier::sync(kDqSyncThreads, kBarDqFull + g);
           if (leader) {
-            if (waits) wait_turn(turn(it, g), int(n_block));
-            reduce_add_dq(g, int(it & 1), iter_head(it), m_block * kM);
+            if (waits) wait_turn(turn(g), int(n_block));
+            reduce_add_dq(g, int(it & 1), head, m_block * kM);
           }
         }
         if (leader) {  // the turns pass on as soon as these adds have completed
           bulk_wait_performed<0>();
-          for (int g = 0; g < kWG; ++g) pass_turn(turn(it, g), int(n_block) + 1);
+          for (int g = 0; g < kWG; ++g) pass_turn(turn(g), int(n_block) + 1);
         }
         __syncwarp();
         // Its staging tiles (the previous block's) are free for the consumers' next block.
@@ -421,8 +420,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     if (n_valid_end < n_end) zero_tails<Tr>(sK, sV, int(n_valid_end - n0), int(n_end - n0), mma_tid);
   }
 
-  for (int64_t it = 0; it < n_iters; ++it) {
-    const int64_t head = iter_head(it), m_block = iter_m_block(it);
+  KvBlockWork::Cursor cur = w.first();
+  for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+    const int64_t head = cur.head, m_block = cur.m_block;
     const int64_t m0 = m_block * kM;
     const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
     const int stage = stage_of(it), buf = int(it & 1);
