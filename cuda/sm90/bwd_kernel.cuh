@@ -269,6 +269,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const int64_t seqlen_q = dims.seqlen_q;
 
   constexpr bool kAll = kX == Extras::kAll;  // segment ids, and the extras decided at run time
+  constexpr bool kDsFromSmem = Tr::kDsFromSmem;
+  static_assert(!kDsFromSmem || kX == Extras::kNone, "the extras' kernels keep dSᵀ and the stats in registers");
   const bool softcap = kX == Extras::kSoftcap || (kAll && p.softcap > 0.f);
   const bool dropout = kX == Extras::kDropout || (kAll && p.dropout.rate > 0.f);
   const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kAll, kOrdered>(p, ss.scratch);
@@ -386,6 +388,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor rdS = make_tensor<T>(acc_dp.layout());
   Tensor tKVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
   Tensor tKVrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
+  typename Tr::TiledMmaKVss mma_kv_ss;
+  Tensor tKVsdSt = mma_kv_ss.get_thread_slice(wg * 128).partition_fragment_A(sdSt);  // (MMA, MMA_N, MMA_M, buffer)
   clear(acc_dk);
   clear(acc_dv);
 
@@ -436,21 +440,31 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
     // Dropout's keep bits of this block while the two GEMMs run: one 32-bit mask per thread.
-    const uint32_t keep = dropout ? keep_bits_transposed(c_kq, ss.draw, uint32_t(head), m0, n0) : 0u;
+    uint32_t keep = 0u;
+    if constexpr (kX == Extras::kDropout || kAll) keep = dropout ? keep_bits_transposed(c_kq, ss.draw, uint32_t(head), m0, n0) : 0u;
     // Each stat is read from shared memory where it is used, to keep registers for the accumulators.
     float lse2[kQCols], delta[kQCols];
     auto load_stats = [&](const float* from, float (&to)[kQCols]) {
       CUTE_UNROLL
       for (int r = 0; r < kQCols; ++r) to[r] = from[get<1>(c_kq(0, r))];
     };
-    load_stats(ss.lse2[stage], lse2);
+    if constexpr (!kDsFromSmem) load_stats(ss.lse2[stage], lse2);
 
     warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
     if (softcap) softcap_scores(acc_s, p.scale, p.softcap);
     if (mask_always || m0 < full_rows_begin || m_end > full_rows_end)
       mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
-    scores_to_probs(s_t, lse2, score_log2);
-    load_stats(ss.delta[stage], delta);
+    if constexpr (kDsFromSmem) {  // one query's stat at a time: no registers held for all of them
+      CUTE_UNROLL
+      for (int c = 0; c < kQCols; ++c) {
+        const float l = ss.lse2[stage][get<1>(c_kq(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < size<1>(s_t); ++r) s_t(c, r) = exp2f(fmaf(s_t(c, r), score_log2, -l));
+      }
+    } else {
+      scores_to_probs(s_t, lse2, score_log2);
+      load_stats(ss.delta[stage], delta);
+    }
     warpgroup_wait<0>();
     // Softcap's gradient needs lse2 again: read anew after the wait (a memory clobber), so the registers of
     // the first read are free while dPᵀ lands instead of live across it.
@@ -468,6 +482,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       };
       if (softcap) drop_all(std::true_type{});
       else drop_all(std::false_type{});
+    } else if constexpr (kDsFromSmem) {
+      CUTE_UNROLL
+      for (int c = 0; c < kQCols; ++c) {
+        const float dl = ss.delta[stage][get<1>(c_kq(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < size<1>(s_t); ++r) dp_t(c, r) = s_t(c, r) * (dp_t(c, r) - dl);
+      }
     } else {
       dprobs_to_dscores<kX != Extras::kNone, 0, kX == Extras::kSoftcap>(dp_t, s_t, c_t, delta, lse2, extras,
                                                                        uint32_t(head), m0, n0);
@@ -476,10 +497,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     convert_into<T>(acc_dp, rdS);
 
     // dS to shared memory: a thread's two adjacent queries of one key are adjacent there (query-contiguous).
-    // Its pairs of one key sit 8 queries (16 bytes) apart in one 128-byte swizzled row, so pair j lies at the
-    // first pair's address with bits 4-6 XOR j: one address per key instead of one per pair.
-    static_assert(Tr::kBlockM == 64, "a key's dS pairs must lie in one 128-byte swizzle row");
+    // At 64 rows its pairs of one key sit 8 queries (16 bytes) apart in one 128-byte swizzled row, so pair j
+    // lies at the first pair's address with bits 4-6 XOR j: one address per key instead of one per pair.
     Tensor rdS_rc = rowcol(rdS);
+    if constexpr (kM != 64) {  // two swizzle rows: each pair's address from the layout
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(rdS_rc); ++r) {
+        int key = get<0>(c_kq(r, 0));
+        asm volatile("" : "+r"(key));
+        int q0 = get<1>(c_kq(0, 0));  // opaque too, so that no address is held across the loop
+        asm volatile("" : "+r"(q0));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(rdS_rc); c += 2)
+          *reinterpret_cast<uint32_t*>(&sdSt(key, q0 + (get<1>(c_kq(r, c)) - get<1>(c_kq(0, 0))), buf)) =
+              *reinterpret_cast<const uint32_t*>(&rdS_rc(r, c));
+      }
+    } else
     CUTE_UNROLL
     for (int r = 0; r < size<0>(rdS_rc); ++r) {
       int key = get<0>(c_kq(r, 0));
@@ -499,8 +532,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     if (!kOrdered && releaser) tma_store_wait<1>();
     sync_consumers(kBarDs);  // both halves of dS written
     wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
-    warpgroup_fence_operand(rdS);
-    wgmma</*kZeroInit=*/false>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), acc_dk);
+    if constexpr (kDsFromSmem) {
+      wgmma</*kZeroInit=*/false>(mma_kv_ss, tKVsdSt(_, _, _, buf), tKVrQt(_, _, _, stage), acc_dk);
+    } else {
+      warpgroup_fence_operand(rdS);
+      wgmma</*kZeroInit=*/false>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), acc_dk);
+    }
 
     warpgroup_wait<1>();  // dV and dQ landed; dK still running
     warpgroup_fence_operand(rP);
@@ -536,7 +573,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       if (releaser) reduce_add_dq(wg, buf, head, m0);
     }
     warpgroup_wait<0>();
-    warpgroup_fence_operand(rdS);
+    if constexpr (!kDsFromSmem) warpgroup_fence_operand(rdS);
     ClusterBarrier::arrive(&ss.q_empty[stage]);
   }
 
