@@ -10,7 +10,8 @@
 //                   rows' LSE and delta beside them; it waits until every consumer thread released a stage.
 //   2 consumers:    64 keys each. Per query block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, operands in shared
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
-//                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys.
+//                   straight from registers (dSᵀ from shared memory at 128 query rows: kDsFromSmem); dS to
+//                   shared memory, then dQ = dS·K over both consumers' keys.
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
 //                   into the fp32 dq_accum with a TMA reduce-add (deterministic mode: the dQ warp does).
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
