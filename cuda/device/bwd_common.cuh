@@ -230,10 +230,20 @@ struct KvBlockWork {
   int64_t m_block_min, n_m, n_iters, head0, m_shift;
   int64_t pred_m_begin, pred_m_end;  // deterministic mode: the query blocks that block n_block - 1 visits
 
-  __device__ int64_t head(int64_t it) const { return head0 + it / n_m; }
-  __device__ int64_t m_block(int64_t it) const {
-    const int64_t m = it % n_m + m_shift;
-    return m_block_min + (m < n_m ? m : m - n_m);
+  // Step it visits query block m_block_min + (it % n_m + m_shift) mod n_m of head head0 + it / n_m: a cursor
+  // advanced step by step, since a 64-bit division per step is a called subroutine in the loop.
+  struct Cursor {
+    int64_t head, m_block;
+    int32_t idx, m;  // the step's index within its head; its query block's offset from m_block_min
+  };
+  __device__ Cursor first() const { return {head0, m_block_min + m_shift, 0, int32_t(m_shift)}; }
+  __device__ void advance(Cursor& c) const {
+    if (++c.m == n_m) c.m = 0;
+    if (++c.idx == n_m) {
+      c.idx = 0;
+      ++c.head;
+    }
+    c.m_block = m_block_min + c.m;
   }
 };
 

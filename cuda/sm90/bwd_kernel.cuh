@@ -10,7 +10,8 @@
 //                   rows' LSE and delta beside them; it waits until every consumer thread released a stage.
 //   2 consumers:    64 keys each. Per query block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, operands in shared
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
-//                   straight from registers; dS to shared memory, then dQ = dS·K over both consumers' keys.
+//                   straight from registers (dSᵀ from shared memory at 128 query rows: kDsFromSmem); dS to
+//                   shared memory, then dQ = dS·K over both consumers' keys.
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
 //                   into the fp32 dq_accum with a TMA reduce-add (deterministic mode: the dQ warp does).
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
@@ -179,8 +180,9 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
       copy(kp.tma_v.with(ss.kv_full), tVg, tVs);
     }
   }
-  for (int64_t it = 0; it < w.n_iters; ++it) {
-    const int32_t head = int32_t(w.head(it)), m_block = int32_t(w.m_block(it));
+  KvBlockWork::Cursor cur = w.first();
+  for (int64_t it = 0; it < w.n_iters; ++it, w.advance(cur)) {
+    const int32_t head = int32_t(cur.head), m_block = int32_t(cur.m_block);
     const int stage = int(it % kStages);
     const uint32_t free_parity = uint32_t((it / kStages) & 1) ^ 1;  // a fresh barrier counts as released
     Tensor gQ = local_tile(mQ(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
@@ -268,6 +270,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const int64_t seqlen_q = dims.seqlen_q;
 
   constexpr bool kAll = kX == Extras::kAll;  // segment ids, and the extras decided at run time
+  constexpr bool kDsFromSmem = Tr::kDsFromSmem;
+  static_assert(!kDsFromSmem || kX == Extras::kNone, "the extras' kernels keep dSᵀ and the stats in registers");
   const bool softcap = kX == Extras::kSoftcap || (kAll && p.softcap > 0.f);
   const bool dropout = kX == Extras::kDropout || (kAll && p.dropout.rate > 0.f);
   const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kAll, kOrdered>(p, ss.scratch);
@@ -275,8 +279,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
   const bool segments = w.segments;
-  auto iter_head = [&](int64_t it) { return w.head(it); };
-  auto iter_m_block = [&](int64_t it) { return w.m_block(it); };
   auto stage_of = [](int64_t it) { return int(it % kStages); };
   auto parity_of = [](int64_t it) { return uint32_t((it / kStages) & 1); };
 
@@ -321,24 +323,24 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     if (kOrdered && tid / 32 == 1 && n_iters > 0) {
       // ---- dQ warp (deterministic mode): per query block, each consumer's staged tile in turn order ----
       const int64_t m_blocks = (seqlen_q + kM - 1) / kM;
-      auto turn = [&](int64_t it, int g) {
-        const int64_t row = (batch * dims.heads_q + iter_head(it)) * m_blocks + iter_m_block(it);
-        return static_cast<int*>(p.dq) + row * kWG + g;
-      };
       const bool leader = tid == 32;
-      for (int64_t it = 0; it < n_iters; ++it) {
-        const int64_t m_block = iter_m_block(it);
+      KvBlockWork::Cursor cur = w.first();
+      for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+        const int64_t head = cur.head, m_block = cur.m_block;
+        auto turn = [&](int g) {
+          return static_cast<int*>(p.dq) + ((batch * dims.heads_q + head) * m_blocks + m_block) * kWG + g;
+        };
         const bool waits = w.pred_m_begin <= m_block && m_block < w.pred_m_end;  // the previous block adds first
         for (int g = 0; g < kWG; ++g) {
           NamedBarrier::sync(kDqSyncThreads, kBarDqFull + g);
           if (leader) {
-            if (waits) wait_turn(turn(it, g), int(n_block));
-            reduce_add_dq(g, int(it & 1), iter_head(it), m_block * kM);
+            if (waits) wait_turn(turn(g), int(n_block));
+            reduce_add_dq(g, int(it & 1), head, m_block * kM);
           }
         }
         if (leader) {  // the turns pass on as soon as these adds have completed
           bulk_wait_performed<0>();
-          for (int g = 0; g < kWG; ++g) pass_turn(turn(it, g), int(n_block) + 1);
+          for (int g = 0; g < kWG; ++g) pass_turn(turn(g), int(n_block) + 1);
         }
         __syncwarp();
         // Its staging tiles (the previous block's) are free for the consumers' next block.
@@ -387,6 +389,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor rdS = make_tensor<T>(acc_dp.layout());
   Tensor tKVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
   Tensor tKVrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
+  typename Tr::TiledMmaKVss mma_kv_ss;
+  Tensor tKVsdSt = mma_kv_ss.get_thread_slice(wg * 128).partition_fragment_A(sdSt);  // (MMA, MMA_N, MMA_M, buffer)
   clear(acc_dk);
   clear(acc_dv);
 
@@ -421,8 +425,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     if (n_valid_end < n_end) zero_tails<Tr>(sK, sV, int(n_valid_end - n0), int(n_end - n0), mma_tid);
   }
 
-  for (int64_t it = 0; it < n_iters; ++it) {
-    const int64_t head = iter_head(it), m_block = iter_m_block(it);
+  KvBlockWork::Cursor cur = w.first();
+  for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+    const int64_t head = cur.head, m_block = cur.m_block;
     const int64_t m0 = m_block * kM;
     const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
     const int stage = stage_of(it), buf = int(it & 1);
@@ -436,21 +441,31 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
     // Dropout's keep bits of this block while the two GEMMs run: one 32-bit mask per thread.
-    const uint32_t keep = dropout ? keep_bits_transposed(c_kq, ss.draw, uint32_t(head), m0, n0) : 0u;
+    uint32_t keep = 0u;
+    if constexpr (kX == Extras::kDropout || kAll) keep = dropout ? keep_bits_transposed(c_kq, ss.draw, uint32_t(head), m0, n0) : 0u;
     // Each stat is read from shared memory where it is used, to keep registers for the accumulators.
     float lse2[kQCols], delta[kQCols];
     auto load_stats = [&](const float* from, float (&to)[kQCols]) {
       CUTE_UNROLL
       for (int r = 0; r < kQCols; ++r) to[r] = from[get<1>(c_kq(0, r))];
     };
-    load_stats(ss.lse2[stage], lse2);
+    if constexpr (!kDsFromSmem) load_stats(ss.lse2[stage], lse2);
 
     warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
     if (softcap) softcap_scores(acc_s, p.scale, p.softcap);
     if (mask_always || m0 < full_rows_begin || m_end > full_rows_end)
       mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
-    scores_to_probs(s_t, lse2, score_log2);
-    load_stats(ss.delta[stage], delta);
+    if constexpr (kDsFromSmem) {  // one query's stat at a time: no registers held for all of them
+      CUTE_UNROLL
+      for (int c = 0; c < kQCols; ++c) {
+        const float l = ss.lse2[stage][get<1>(c_kq(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < size<1>(s_t); ++r) s_t(c, r) = exp2f(fmaf(s_t(c, r), score_log2, -l));
+      }
+    } else {
+      scores_to_probs(s_t, lse2, score_log2);
+      load_stats(ss.delta[stage], delta);
+    }
     warpgroup_wait<0>();
     // Softcap's gradient needs lse2 again: read anew after the wait (a memory clobber), so the registers of
     // the first read are free while dPᵀ lands instead of live across it.
@@ -468,6 +483,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       };
       if (softcap) drop_all(std::true_type{});
       else drop_all(std::false_type{});
+    } else if constexpr (kDsFromSmem) {
+      CUTE_UNROLL
+      for (int c = 0; c < kQCols; ++c) {
+        const float dl = ss.delta[stage][get<1>(c_kq(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < size<1>(s_t); ++r) dp_t(c, r) = s_t(c, r) * (dp_t(c, r) - dl);
+      }
     } else {
       dprobs_to_dscores<kX != Extras::kNone, 0, kX == Extras::kSoftcap>(dp_t, s_t, c_t, delta, lse2, extras,
                                                                        uint32_t(head), m0, n0);
@@ -476,10 +498,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     convert_into<T>(acc_dp, rdS);
 
     // dS to shared memory: a thread's two adjacent queries of one key are adjacent there (query-contiguous).
-    // Its pairs of one key sit 8 queries (16 bytes) apart in one 128-byte swizzled row, so pair j lies at the
-    // first pair's address with bits 4-6 XOR j: one address per key instead of one per pair.
-    static_assert(Tr::kBlockM == 64, "a key's dS pairs must lie in one 128-byte swizzle row");
+    // At 64 rows its pairs of one key sit 8 queries (16 bytes) apart in one 128-byte swizzled row, so pair j
+    // lies at the first pair's address with bits 4-6 XOR j: one address per key instead of one per pair.
     Tensor rdS_rc = rowcol(rdS);
+    if constexpr (kM != 64) {  // two swizzle rows: each pair's address from the layout
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(rdS_rc); ++r) {
+        int key = get<0>(c_kq(r, 0));
+        asm volatile("" : "+r"(key));
+        int q0 = get<1>(c_kq(0, 0));  // opaque too, so that no address is held across the loop
+        asm volatile("" : "+r"(q0));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(rdS_rc); c += 2)
+          *reinterpret_cast<uint32_t*>(&sdSt(key, q0 + (get<1>(c_kq(r, c)) - get<1>(c_kq(0, 0))), buf)) =
+              *reinterpret_cast<const uint32_t*>(&rdS_rc(r, c));
+      }
+    } else
     CUTE_UNROLL
     for (int r = 0; r < size<0>(rdS_rc); ++r) {
       int key = get<0>(c_kq(r, 0));
@@ -499,8 +533,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     if (!kOrdered && releaser) tma_store_wait<1>();
     sync_consumers(kBarDs);  // both halves of dS written
     wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
-    warpgroup_fence_operand(rdS);
-    wgmma</*kZeroInit=*/false>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), acc_dk);
+    if constexpr (kDsFromSmem) {
+      wgmma</*kZeroInit=*/false>(mma_kv_ss, tKVsdSt(_, _, _, buf), tKVrQt(_, _, _, stage), acc_dk);
+    } else {
+      warpgroup_fence_operand(rdS);
+      wgmma</*kZeroInit=*/false>(mma_kv, tKVrdS, tKVrQt(_, _, _, stage), acc_dk);
+    }
 
     warpgroup_wait<1>();  // dV and dQ landed; dK still running
     warpgroup_fence_operand(rP);
@@ -536,7 +574,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       if (releaser) reduce_add_dq(wg, buf, head, m0);
     }
     warpgroup_wait<0>();
-    warpgroup_fence_operand(rdS);
+    if constexpr (!kDsFromSmem) warpgroup_fence_operand(rdS);
     ClusterBarrier::arrive(&ss.q_empty[stage]);
   }
 

@@ -149,8 +149,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     if (n_valid_end < n_end) zero_tails<Tr>(sK, sV, int(n_valid_end - n0), int(n_end - n0), mma_tid);
   }
 
-  for (int64_t it = 0; it < n_iters; ++it) {
-    const int64_t head = w.head(it), m_block = w.m_block(it);
+  KvBlockWork::Cursor cur = w.first();
+  for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+    const int64_t head = cur.head, m_block = cur.m_block;
     const int64_t m0 = m_block * kM;
     const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
     const int stage = int(it % Tr::kStages), buf = int(it & 1);

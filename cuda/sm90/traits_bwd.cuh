@@ -8,13 +8,17 @@
 // memory (both warpgroups' keys), the warpgroups splitting dQ's columns (or rows when kBlockM = 128).
 // Registers per consumer thread (fp32): dK + dV = 2·(64·d)/128, Sᵀ + dPᵀ = 2·(64·kBlockM)/128, dQ =
 // kBlockM·d/256 (its rows' LSE and delta are read from shared memory where they are used):
-//   d=64 : 64 x 128: dK+dV 64,  S+dP 64, dQ 16
-//   d=128: 64 x 128: dK+dV 128, S+dP 64, dQ 32  (of 240; ptxas spills ~70 bytes. 128 x 128 for d=64, the
-//          FlashAttention-3 tile, spilled 572 bytes)
+//   d=64 : 64 x 128: dK+dV 64,  S+dP 64,  dQ 16
+//          128 x 128 (kernels without extras, kBlockMPlain): dK+dV 64, S+dP 128, dQ 32, and dSᵀ as an A
+//          operand would take 32 more: dK += dSᵀ·Q reads dSᵀ from shared memory instead (kDsFromSmem).
+//          ptxas spills ~90 bytes; 8-11 % faster than 64 x 128 on an H100 (its producer no longer waits).
+//   d=128: 64 x 128: dK+dV 128, S+dP 64,  dQ 32  (of 240; ptxas spills ~90 bytes. 80 x 128, the
+//          FlashAttention-3 tile, with dQ transposed and dSᵀ from shared memory: 136 bytes, 14 % slower)
 // Shared memory: K, V + kStages of Q and dO + 2 buffers of dS (the next block's dS is written while the other
 // warpgroup may still read this one) + 2 fp32 dQ staging tiles per consumer (one may still be read by the
 // previous reduce-add):
-//   d=64 : 16+16 + 2·(8+8) + 2·16 + 2·16 = 128 KB;  d=128: 32+32 + 2·(16+16) + 2·16 + 2·32 = 224 KB
+//   d=64 : 16+16 + 2·(8+8) + 2·16 + 2·16 = 128 KB, 128 rows: 16+16 + 2·(16+16) + 2·32 + 2·32 = 224 KB;
+//   d=128: 32+32 + 2·(16+16) + 2·16 + 2·32 = 224 KB
 #pragma once
 
 #include <cstdint>
@@ -33,25 +37,27 @@ using namespace cute;
 template <int kHeadDim>
 struct BwdTileConfig;
 
+// kBlockMPlain: the query rows of the kernels without extras (Extras::kNone, deterministic or not); those with
+// extras keep kBlockM (dropout's keep bits are drawn for 64 queries).
 template <>
 struct BwdTileConfig<64> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 64, kBlockMPlain = 128, kBlockN = 128, kStages = 2;
 };
 template <>
 struct BwdTileConfig<128> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockN = 128, kStages = 2;
 };
 template <>
 struct BwdTileConfig<256> {  // BwdSplitDTraits
-  static constexpr int kBlockM = 64, kBlockN = 64, kStages = 2;
+  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockN = 64, kStages = 2;
 };
 
-template <class Element_, int kHeadDim_>
+template <class Element_, int kHeadDim_, int kBlockM_>
 struct BwdTraits {
   static constexpr bool kSplitD = false;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = BwdTileConfig<kHeadDim_>::kBlockM, kBlockN = BwdTileConfig<kHeadDim_>::kBlockN;
+  static constexpr int kBlockM = kBlockM_, kBlockN = BwdTileConfig<kHeadDim_>::kBlockN;
   static constexpr int kStages = BwdTileConfig<kHeadDim_>::kStages;
   static constexpr int kMmaWarpGroups = kBlockN / 64;  // wgmma's M is 64: one warpgroup per 64 keys
   static constexpr int kMmaThreads = kMmaWarpGroups * 128;
@@ -60,6 +66,9 @@ struct BwdTraits {
   static_assert(kMmaWarpGroups == 2 && kProducerRegs + 2 * kConsumerRegs == 3 * 168,
                 "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
   static_assert(kBlockM == 64 || kBlockM == 128);
+  // 128 query rows: dSᵀ leaves the registers (the A operand of dK from shared memory) and each row's LSE and
+  // delta are read where used.
+  static constexpr bool kDsFromSmem = kBlockM == 128;
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim_>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim_>>;
@@ -73,6 +82,11 @@ struct BwdTraits {
   // dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers; B is dO (or Q) read as (d, query), d contiguous.
   using TiledMmaKV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim_>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomKeys{}));
+  // dK += dSᵀ·Q with dSᵀ read as (key, query) from dS's buffer, queries contiguous (kDsFromSmem).
+  using TiledMmaKVss = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim_>, Int<kBlockM>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomKeys{}));
   // dQ = dS·K: A is dS (query, key) stored query-contiguous, B is K read as (d, key), d contiguous. Two
@@ -190,9 +204,12 @@ struct BwdSplitDTraits {
   static constexpr int kKVBytes = kBlockN * kHeadDim_ * int(sizeof(Element));
 };
 
-// The backward's traits of a head dim: the split-d kernel's past 128.
-template <class Element, int kHeadDim>
-using BwdTraitsOf =
-    std::conditional_t<(kHeadDim > 128), BwdSplitDTraits<Element, kHeadDim>, BwdTraits<Element, kHeadDim>>;
+// The backward's traits of a head dim: the split-d kernel's past 128; kPlain: those of the kernels without
+// extras.
+template <class Element, int kHeadDim, bool kPlain = false>
+using BwdTraitsOf = std::conditional_t<
+    (kHeadDim > 128), BwdSplitDTraits<Element, kHeadDim>,
+    BwdTraits<Element, kHeadDim,
+              kPlain ? BwdTileConfig<kHeadDim>::kBlockMPlain : BwdTileConfig<kHeadDim>::kBlockM>>;
 
 }  // namespace jaxflash::sm90
