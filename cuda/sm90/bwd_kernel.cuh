@@ -111,10 +111,12 @@ __forceinline__ __device__ void zero_rows(TensorS&& s, int row_begin, int row_en
         make_uint4(0, 0, 0, 0);
 }
 
-// Named barriers of the consumers (the forward's ids 0 and 1 are not used here); kDqFull and kDqEmpty + the
-// consumer's index.
+// Named barriers of the consumers; kDqFull and kDqEmpty + the consumer's index. cutlass::arch::NamedBarrier
+// adds 8 to each (the hardware ids below 8 are its collectives'), so these must stay below 8: 8 itself was
+// hardware barrier 16, which does not exist (ptxas encoded it as barrier 0, __syncthreads').
 struct BwdBar {
-  static constexpr uint32_t kShared = 2, kZeroed = 3, kDqFull = 4, kDqEmpty = 6, kEpilogue = 8;
+  static constexpr uint32_t kEpilogue = 1, kShared = 2, kZeroed = 3, kDqFull = 4, kDqEmpty = 6;
+  static_assert(kDqEmpty + 2 <= 8, "NamedBarrier's ids 0-7 are hardware barriers 8-15");
 };
 
 // Rows [row_begin, row_end) of two (row, d) tiles zeroed by every consumer thread and made visible to wgmma
