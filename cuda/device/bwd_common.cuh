@@ -35,10 +35,9 @@ __forceinline__ __device__ void atomic_add_pair(float* addr, float a, float b) {
 
 // LSE of a query row in log2 units, as the exponent offset of P = exp2(s·scale·log2 e − lse·log2 e). Rows
 // past the end and rows that see no key (LSE = −inf) get +inf, so their P is exactly 0.
+__forceinline__ __device__ float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f; }
 __forceinline__ __device__ float lse_log2_of(const float* lse_row, int64_t row, int64_t rows) {
-  if (row >= rows) return INFINITY;
-  const float l = lse_row[row];
-  return l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  return row >= rows ? INFINITY : lse_log2(lse_row[row]);
 }
 
 // What the backward pass adds to dS = P ∘ (dP − delta) for softcap and dropout (default: the plain rule).

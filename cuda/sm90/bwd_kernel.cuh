@@ -6,8 +6,9 @@
 // producer, barriers and dK/dV epilogue that the d = 256 kernel, bwd_split_d_kernel.cuh, shares), K/V-stationary:
 //   one block per (K/V block of kBlockN keys, batch, K/V head) keeps K and V in shared memory and dK, dV in
 //   registers, and visits every query block of every head of the group that can see its keys.
-//   producer warp:  TMA of K and V once, then of Q and dO per query block into kStages stages, with the
-//                   rows' LSE and delta beside them; it waits until every consumer thread released a stage.
+//   producer warp:  TMA of K and V once, then of Q and dO per query block into kStages stages; it waits until
+//                   every consumer thread released a stage.
+//   stats warp:     the rows' LSE and delta into the same stages (the producer warpgroup's third warp).
 //   2 consumers:    64 keys each. Per query block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, operands in shared
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
 //                   straight from registers (dSᵀ from shared memory at 128 query rows: kDsFromSmem); dS to
@@ -65,7 +66,9 @@ struct BwdSharedStorage {
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
   uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
-  // Per stage, the stats of its query rows, written by the producer warp with Q (lse2) and with dO (delta).
+  // A stage's stats written by the stats warp (ready_stats).
+  uint64_t q_ready[Tr::kStages], do_ready[Tr::kStages];
+  // Per stage, the stats of its query rows: lse2 with Q, delta with dO.
   float lse2[Tr::kStages][Tr::kBlockM];
   float delta[Tr::kStages][Tr::kBlockM];
   int scratch[4];    // narrow_by_ids
@@ -130,34 +133,36 @@ __forceinline__ __device__ void zero_tails(TensorA&& a, TensorB&& b, int row_beg
   NamedBarrier::sync(Tr::kMmaThreads, BwdBar::kZeroed);
 }
 
-// The pipeline's barriers (one thread): a stage is full once its TMA bytes landed and every producer lane wrote
-// its stats, empty once every consumer thread released it. Each thread arrives for itself, since an arrive
-// releases only its own thread's accesses (with one arrive per consumer after a named barrier, racecheck
-// reported the stats' reads against the producer's next stores; every thread arriving costs nothing measurable).
+// The pipeline's barriers (one thread): a stage is full once its tile's TMA bytes landed, its stats ready once
+// every lane of the stats warp stored them, empty once every consumer thread released it. Each thread
+// arrives for itself, since an arrive releases only its own thread's accesses (with one arrive per consumer
+// after a named barrier, racecheck reported the stats' reads against the producer's next stores; every thread
+// arriving costs nothing measurable).
 template <class Tr, class Storage>
 __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
   ClusterTransactionBarrier::init(&ss.kv_full, 1);
   CUTE_UNROLL
   for (int s = 0; s < Tr::kStages; ++s) {
-    ClusterTransactionBarrier::init(&ss.q_full[s], 32);  // the producer warp's lanes
-    ClusterTransactionBarrier::init(&ss.do_full[s], 32);
+    ClusterTransactionBarrier::init(&ss.q_full[s], 1);  // an arrive with the bytes it expects
+    ClusterTransactionBarrier::init(&ss.do_full[s], 1);
+    ClusterBarrier::init(&ss.q_ready[s], 32);  // the stats warp's lanes
+    ClusterBarrier::init(&ss.do_ready[s], 32);
     ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaThreads);
     ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaThreads);
   }
 }
 
-// The producer warp of either backward kernel: K and V once, then Q and dO of every query block the block
-// visits into kStages stages, with the rows' lse2 and delta beside them; a stage is refilled once every
-// consumer thread released it.
+// The producer warp of either backward kernel (lane 0 issues every load): K and V once, then Q and dO of every
+// query block the block visits into kStages stages; a stage is refilled once every consumer thread released it.
+// The stats warp (ready_stats) fills in the rows' stats, so that no global read delays a tile's load.
 template <class Tr, class Storage>
 __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
                                             int lane) {
   constexpr int kM = Tr::kBlockM, kD = Tr::kHeadDim, kStages = Tr::kStages;
-  const BwdParams& p = kp.p;
-  const AttnDims& dims = p.dims;
+  const AttnDims& dims = kp.p.dims;
   const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
-  const BatchMask& bm = w.bm;
   const int64_t batch = w.batch;
+  if (lane != 0) return;
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
@@ -176,11 +181,9 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
                            make_coord(int32_t(w.n_block), _0{}));
     auto [tKg, tKs] = tma_partition(kp.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVg, tVs] = tma_partition(kp.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    if (lane == 0) {
-      ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kKVBytes);
-      copy(kp.tma_k.with(ss.kv_full), tKg, tKs);
-      copy(kp.tma_v.with(ss.kv_full), tVg, tVs);
-    }
+    ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kKVBytes);
+    copy(kp.tma_k.with(ss.kv_full), tKg, tKs);
+    copy(kp.tma_v.with(ss.kv_full), tVg, tVs);
   }
   KvBlockWork::Cursor cur = w.first();
   for (int64_t it = 0; it < w.n_iters; ++it, w.advance(cur)) {
@@ -192,24 +195,58 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
     auto [tQg, tQs] = tma_partition(kp.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tdOg, tdOs] =
         tma_partition(kp.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-    // Stats as lse_log2_of and load_row_stats give them: rows past q_len get P = 0 and delta 0. Every lane
-    // arrives after its own stores (init_bwd_barriers).
-    const int64_t m0 = int64_t(m_block) * kM, stat_off = (batch * dims.heads_q + head) * seqlen_q;
     ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
-    for (int r = lane; r < kM; r += 32) ss.lse2[stage][r] = lse_log2_of(p.lse + stat_off, m0 + r, bm.q_len);
-    if (lane == 0) {
-      ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[stage], Tr::kQBytes);
-      copy(kp.tma_q.with(ss.q_full[stage]), tQg, tQs(_, stage));
-    } else {
-      ClusterTransactionBarrier::arrive(&ss.q_full[stage]);
-    }
+    ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[stage], Tr::kQBytes);
+    copy(kp.tma_q.with(ss.q_full[stage]), tQg, tQs(_, stage));
     ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
-    for (int r = lane; r < kM; r += 32) ss.delta[stage][r] = m0 + r < bm.q_len ? p.delta[stat_off + m0 + r] : 0.f;
-    if (lane == 0) {
-      ClusterTransactionBarrier::arrive_and_expect_tx(&ss.do_full[stage], Tr::kQBytes);
-      copy(kp.tma_do.with(ss.do_full[stage]), tdOg, tdOs(_, stage));
-    } else {
-      ClusterTransactionBarrier::arrive(&ss.do_full[stage]);
+    ClusterTransactionBarrier::arrive_and_expect_tx(&ss.do_full[stage], Tr::kQBytes);
+    copy(kp.tma_do.with(ss.do_full[stage]), tdOg, tdOs(_, stage));
+  }
+}
+
+// The stats warp of either backward kernel: each step's LSE and delta rows read from global memory before the
+// stage is free (their latency hides under the wait), then stored into it as lse2 and delta (load_row_stats'
+// rule: rows past q_len get P = 0 and delta 0); every lane arrives after its own stores. 32-bit row indices (a
+// head's rows fit) keep it within the producer warpgroup's 24 registers a thread.
+template <class Tr, class Storage>
+__forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
+                                            int lane) {
+  constexpr int kM = Tr::kBlockM, kStages = Tr::kStages, kRows = kM / 32;
+  static_assert(kM % 32 == 0, "each lane takes kM / 32 rows");
+  const AttnDims& dims = kp.p.dims;
+  const int32_t n_m = int32_t(w.n_m), q_len = int32_t(w.bm.q_len), n_iters = int32_t(w.n_iters);
+  // The step's query block as KvBlockWork's cursor walks them: m cycles through n_m blocks, the head moves on
+  // every n_m steps.
+  int32_t m = int32_t(w.m_shift), idx = 0;
+  const int32_t row_min = int32_t(w.m_block_min * kM);
+  const int64_t head_off = (w.batch * dims.heads_q + w.head0) * dims.seqlen_q;
+  const float* lse = kp.p.lse + head_off;
+  const float* delta = kp.p.delta + head_off;
+  for (int32_t it = 0; it < n_iters; ++it) {
+    const int stage = it % kStages;
+    const uint32_t free_parity = uint32_t(((it / kStages) & 1) ^ 1);  // a fresh barrier counts as released
+    const int32_t row0 = row_min + m * kM;
+    float l[kRows], d[kRows];
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int32_t row = row0 + lane + 32 * i;
+      l[i] = row < q_len ? lse[row] : -INFINITY;
+      d[i] = row < q_len ? delta[row] : 0.f;
+    }
+    ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i)
+      ss.lse2[stage][lane + 32 * i] = lse_log2(l[i]);
+    ClusterBarrier::arrive(&ss.q_ready[stage]);
+    ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) ss.delta[stage][lane + 32 * i] = d[i];
+    ClusterBarrier::arrive(&ss.do_ready[stage]);
+    if (++m == n_m) m = 0;
+    if (++idx == n_m) {
+      idx = 0;
+      lse += dims.seqlen_q;
+      delta += dims.seqlen_q;
     }
   }
 }
@@ -352,6 +389,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       return;
     }
     if (tid < 32 && n_iters > 0) produce_bwd<Tr>(kp, ss, w, tid);
+    if (tid / 32 == 2 && n_iters > 0) ready_stats<Tr>(kp, ss, w, tid % 32);
     return;
   }
 
@@ -437,6 +475,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
     ClusterTransactionBarrier::wait(&ss.q_full[stage], parity);
     ClusterTransactionBarrier::wait(&ss.do_full[stage], parity);
+    ClusterBarrier::wait(&ss.q_ready[stage], parity);
+    ClusterBarrier::wait(&ss.do_ready[stage], parity);
     const int64_t q_valid_end = cute::min(m_end, bm.q_len);
     if (q_valid_end < m_end)  // query rows past q_len inside the tensor
       zero_tails<Tr>(sQ(_, _, stage), sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid);

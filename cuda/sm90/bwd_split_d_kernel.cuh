@@ -30,7 +30,9 @@ struct BwdSplitDSharedStorage {
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
   uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
-  float lse2[Tr::kStages][Tr::kBlockM];  // as in BwdSharedStorage
+  // As in BwdSharedStorage.
+  uint64_t q_ready[Tr::kStages], do_ready[Tr::kStages];
+  float lse2[Tr::kStages][Tr::kBlockM];
   float delta[Tr::kStages][Tr::kBlockM];
   int scratch[4];  // narrow_by_ids
 };
@@ -77,6 +79,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (tid < 32 && n_iters > 0) produce_bwd<Tr>(kp, ss, w, tid);
+    if (tid / 32 == 2 && n_iters > 0) ready_stats<Tr>(kp, ss, w, tid % 32);
     return;
   }
 
@@ -159,6 +162,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
     ClusterTransactionBarrier::wait(&ss.q_full[stage], parity);
     ClusterTransactionBarrier::wait(&ss.do_full[stage], parity);
+    ClusterBarrier::wait(&ss.q_ready[stage], parity);
+    ClusterBarrier::wait(&ss.do_ready[stage], parity);
     const int64_t q_valid_end = cute::min(m_end, bm.q_len);
     if (q_valid_end < m_end)  // query rows past q_len inside the tensor
       zero_tails<Tr>(sQ(_, _, stage), sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid);
