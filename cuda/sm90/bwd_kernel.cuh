@@ -158,7 +158,7 @@ __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
 template <class Tr, class Storage>
 __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
                                             int lane) {
-  constexpr int kM = Tr::kBlockM, kD = Tr::kHeadDim, kStages = Tr::kStages;
+  constexpr int kD = Tr::kHeadDim, kStages = Tr::kStages;
   const AttnDims& dims = kp.p.dims;
   const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
   const int64_t batch = w.batch;
@@ -235,8 +235,7 @@ __forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Stora
     }
     ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
     CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i)
-      ss.lse2[stage][lane + 32 * i] = lse_log2(l[i]);
+    for (int i = 0; i < kRows; ++i) ss.lse2[stage][lane + 32 * i] = lse_log2(l[i]);
     ClusterBarrier::arrive(&ss.q_ready[stage]);
     ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
     CUTE_UNROLL
