@@ -230,7 +230,8 @@ struct KvBlockWork {
   int64_t pred_m_begin, pred_m_end;  // deterministic mode: the query blocks that block n_block - 1 visits
 
   // Step it visits query block m_block_min + (it % n_m + m_shift) mod n_m of head head0 + it / n_m: a cursor
-  // advanced step by step, since a 64-bit division per step is a called subroutine in the loop.
+  // advanced step by step, since a 64-bit division per step is a called subroutine in the loop. The sm90 stats
+  // warp (ready_stats) walks the same order in 32 bits: change both together.
   struct Cursor {
     int64_t head, m_block;
     int32_t idx, m;  // the step's index within its head; its query block's offset from m_block_min

@@ -136,7 +136,7 @@ __forceinline__ __device__ void zero_tails(TensorA&& a, TensorB&& b, int row_beg
 // The pipeline's barriers (one thread): a stage is full once its tile's TMA bytes landed, its stats ready once
 // every lane of the stats warp stored them, empty once every consumer thread released it. Each thread
 // arrives for itself, since an arrive releases only its own thread's accesses (with one arrive per consumer
-// after a named barrier, racecheck reported the stats' reads against the producer's next stores; every thread
+// after a named barrier, racecheck reported the stats' reads against their writer's next stores; every thread
 // arriving costs nothing measurable).
 template <class Tr, class Storage>
 __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
@@ -206,8 +206,9 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
 
 // The stats warp of either backward kernel: each step's LSE and delta rows read from global memory before the
 // stage is free (their latency hides under the wait), then stored into it as lse2 and delta (load_row_stats'
-// rule: rows past q_len get P = 0 and delta 0); every lane arrives after its own stores. 32-bit row indices (a
-// head's rows fit) keep it within the producer warpgroup's 24 registers a thread.
+// rule: rows past q_len get P = 0 and delta 0); every lane arrives after its own stores. It walks the steps in
+// KvBlockWork::Cursor's order but in 32 bits (a head's rows fit): with the cursor's 64-bit state the producer
+// warpgroup's 24 registers a thread spilled 40-60 bytes more in every kernel.
 template <class Tr, class Storage>
 __forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
                                             int lane) {
