@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "config.h"
+#include "fast_math.cuh"
 #include "mask.h"
 #include "params.h"
 #include "decode/traits.h"
@@ -84,12 +85,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-}
-
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 __device__ __forceinline__ float quad_max(float x) {
@@ -303,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm(kHeadDim)) decode_spli
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (cap > 0.f) s[t][e] = cap * tanh_approx(s[t][e] * cap_in);
+        if (cap > 0.f) s[t][e] = cap * tanh_fast(s[t][e] * cap_in);
         s[t][e] *= score_scale;
       }
     const int64_t j0 = key0 + int64_t(it) * kBlockN, jw = j0 + warp * 16;

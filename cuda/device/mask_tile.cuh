@@ -9,18 +9,11 @@
 
 #include <cute/tensor.hpp>
 
+#include "fast_math.cuh"
 #include "mask.h"
 #include "philox.h"
 
 namespace jaxflash {
-
-// One MUFU.TANH (sm_75+), relative error <= 2^-10.9: the score error it adds, |s|·5e-4, stays below the bf16
-// rounding of P. (1 − 2 / (e^{2x} + 1), EX2 + reciprocal, ~1e-7, made softcap cost 27% of the forward pass.)
-__forceinline__ __device__ float tanh_fast(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // acc <- cap · tanh(scale · acc / cap): raw Q·Kᵀ becomes the soft-capped, scaled score.
 template <class TensorT>
