@@ -433,6 +433,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor tKVsdSt = mma_kv_ss.get_thread_slice(wg * 128).partition_fragment_A(sdSt);  // (MMA, MMA_N, MMA_M, buffer)
   clear(acc_dk);
   clear(acc_dv);
+  // dSᵀ's accumulator stored as dS by stmatrix where it pays (fwd+bwd on an H100): at 128 query rows (d = 64)
+  // the 32-bit stores' addresses spilled ~100 bytes and ran 10-12 % slower; at 64 rows (d = 128) stmatrix was
+  // 1.5-3 % slower, and in deterministic mode 4 % slower at 128 rows too.
+  constexpr bool kDsByStmatrix = kM == 128 && !kOrdered;
+  auto sts_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_sdp);
+  auto thr_sts_ds = sts_ds.get_thread_slice(mma_tid);
+  Tensor tdSs = thr_sts_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, KEYS, QUERIES, buffer)
 
   // (key, query) of every score this thread holds, and the same as (query, key) in the (query, key)
   // orientation of bwd_common.cuh's rules.
@@ -539,11 +546,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     convert_into<T>(acc_s, rP);
     convert_into<T>(acc_dp, rdS);
 
-    // dS to shared memory: a thread's two adjacent queries of one key are adjacent there (query-contiguous).
-    // At 64 rows its pairs of one key sit 8 queries (16 bytes) apart in one 128-byte swizzled row, so pair j
-    // lies at the first pair's address with bits 4-6 XOR j: one address per key instead of one per pair.
+    // dS to shared memory: a thread's two adjacent queries of one key are adjacent there (query-contiguous),
+    // the rows of stmatrix's 8x8 tiles (kDsByStmatrix: 4 stores instead of 16). At 64 rows its pairs of one key
+    // sit 8 queries (16 bytes) apart in one 128-byte swizzled row, so pair j lies at the first pair's address
+    // with bits 4-6 XOR j: one address per key instead of one per pair.
     Tensor rdS_rc = rowcol(rdS);
-    if constexpr (kM != 64) {  // two swizzle rows: each pair's address from the layout
+    if constexpr (kDsByStmatrix) {
+      copy(sts_ds, thr_sts_ds.retile_S(rdS), tdSs(_, _, _, buf));
+    } else if constexpr (kM != 64) {  // two swizzle rows: each pair's address from the layout
       CUTE_UNROLL
       for (int r = 0; r < size<0>(rdS_rc); ++r) {
         int key = get<0>(c_kq(r, 0));
