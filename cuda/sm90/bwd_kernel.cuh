@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   clear(acc_dk);
   clear(acc_dv);
   // dSᵀ's accumulator stored as dS by stmatrix where it pays (fwd+bwd on an H100): at 128 query rows (d = 64)
-  // the 32-bit stores' addresses spilled ~100 bytes and ran 10-12 % slower; at 64 rows (d = 128) stmatrix was
+  // the 32-bit stores' addresses spilled ~100 bytes and ran 7-13 % slower; at 64 rows (d = 128) stmatrix was
   // 1.5-3 % slower, and in deterministic mode 4 % slower at 128 rows too.
   constexpr bool kDsByStmatrix = kM == 128 && !kOrdered;
   auto sts_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_sdp);
