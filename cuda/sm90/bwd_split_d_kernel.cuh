@@ -72,14 +72,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
 
-  if (tid == 0) init_bwd_barriers<Tr>(ss);
+  if (tid == 0) init_bwd_barriers<Tr, /*kStatsOnFull=*/true>(ss);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (tid < 32 && n_iters > 0) produce_bwd<Tr>(kp, ss, w, tid);
-    if (tid / 32 == 2 && n_iters > 0) ready_stats<Tr>(kp, ss, w, tid % 32);
+    if (tid / 32 == 2 && n_iters > 0) ready_stats<Tr, /*kStatsOnFull=*/true>(kp, ss, w, tid % 32);
     return;
   }
 
@@ -162,8 +162,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
     ClusterTransactionBarrier::wait(&ss.q_full[stage], parity);
     ClusterTransactionBarrier::wait(&ss.do_full[stage], parity);
-    ClusterBarrier::wait(&ss.q_ready[stage], parity);
-    ClusterBarrier::wait(&ss.do_ready[stage], parity);
     const int64_t q_valid_end = cute::min(m_end, bm.q_len);
     if (q_valid_end < m_end)  // query rows past q_len inside the tensor
       zero_tails<Tr>(sQ(_, _, stage), sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid);
