@@ -76,8 +76,17 @@ def _stat_type(q):
     return t.update(shape=shape, dtype=jnp.float32)
 
 
-def _f32_like(x):
-    return _typeof(x).update(dtype=jnp.float32)
+# dq_accum's rows: Sq rounded up to a multiple of this (cuda/common/params.h, dq_accum_rows), so that the Hopper
+# kernels add whole query tiles of dQ.
+_DQ_ACCUM_ROW_MULTIPLE = 128
+
+
+def _dq_accum_type(q):
+    """The backward's fp32 dQ workspace: q's shape with Sq rounded up, q's sharding."""
+    t = _typeof(q)
+    sq = q.shape[-3]
+    rows = -(-sq // _DQ_ACCUM_ROW_MULTIPLE) * _DQ_ACCUM_ROW_MULTIPLE
+    return t.update(shape=(*q.shape[:-3], rows, *q.shape[-2:]), dtype=jnp.float32)
 
 
 def _attrs(cfg) -> dict:
@@ -170,7 +179,7 @@ def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
     """(do, q, k, v, o, lse, dlse, the operands of fwd) -> (dq, dk, dv, dq accumulator, rowsum(dO * O) - dlse);
     dlse is the cotangent of lse. The last two are the kernel's fp32 workspaces, outputs owned by XLA, returned
     so that the partitioning rule can name every result (callers keep the first three)."""
-    out_types = (_typeof(q), _typeof(k), _typeof(v), _f32_like(q), _stat_type(q))
+    out_types = (_typeof(q), _typeof(k), _typeof(v), _dq_accum_type(q), _stat_type(q))
     call = jax.ffi.ffi_call("jaxflash_bwd", out_types, vmap_method="broadcast_all")
     return tuple(call(do, q, k, v, o, lse, dlse, *operands, **_attrs(cfg)))
 

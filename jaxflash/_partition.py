@@ -36,8 +36,9 @@ def bwd(do, q, k, v, o, lse, dlse, operands, cfg):
 
 
 # --- the rules ------------------------------------------------------------------------------------------------
-# Factors: s, t query and key sequence; h = (k g) query heads as (kv head, group member); d head_dim; w the words
-# of the dropout state; z the empty last dim of an unused mask operand; `...` every leading (batch) dim.
+# Factors: s, t query and key sequence; p the dQ workspace's rows (s rounded up); h = (k g) query heads as (kv head,
+# group member); d head_dim; w the words of the dropout state; z the empty last dim of an unused mask operand;
+# `...` every leading (batch) dim.
 
 def _mask_operands(cfg):
     """The rule's text for q/kv segment ids, q/kv lengths and the dropout state; unused ones are empty arrays
@@ -52,10 +53,11 @@ def _rule(kind, cfg, group, split_heads):
     q, kv, stat, masks = f"... s {h} d", "... t k d", f"... {h} s", _mask_operands(cfg)
     if kind == "fwd":
         rule = f"{q}, {kv}, {kv}, {masks} -> {q}, {stat}"
-    else:  # do, q, k, v, o, lse, dlse, masks -> dq, dk, dv, and two fp32 workspaces shaped like q and lse
-        rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {stat}, {masks} -> {q}, {kv}, {kv}, {q}, {stat}"
+    else:  # do, q, k, v, o, lse, dlse, masks -> dq, dk, dv, and two fp32 workspaces: q's shape with its
+        # rows rounded up (p), and lse's shape
+        rule = f"{q}, {q}, {kv}, {kv}, {q}, {stat}, {stat}, {masks} -> {q}, {kv}, {kv}, ... p {h} d, {stat}"
     sizes = {"g": group} if group > 1 else {}
-    replicated = {"s", "d", "t", "w", "z"} | (set() if split_heads else {"k", *sizes})
+    replicated = {"s", "p", "d", "t", "w", "z"} | (set() if split_heads else {"k", *sizes})
     # Shardy wants them in the order the factors first appear in the rule.
     order = dict.fromkeys(c for c in rule if c.isalpha())
     return rule, dict(need_replication_factors=tuple(f for f in order if f in replicated), **sizes)

@@ -47,7 +47,7 @@ _naive_grads = jax.jit(naive_grads, static_argnums=(4,))
 
 
 def _run(q, k, v, do, causal, deterministic=False):
-    poison(q, k, v, jax.ShapeDtypeStruct(q.shape, jnp.float32))  # the gradients and the fp32 dq workspace
+    poison(q, k, v, _ffi._dq_accum_type(q))  # the gradients and the fp32 dq workspace
     return jax.block_until_ready(_kernel_grads(q, k, v, do, causal, deterministic))
 
 

@@ -43,7 +43,7 @@ def _need_cuda_module():
 def _check_cuda_against_oracle(inputs, kind, kw, dtype, deterministic, case, rate=0.0, key=None):
     """The CUDA kernels' (o, lse, dq, dk, dv) of `kind` against the float64 oracle, outputs poisoned beforehand."""
     q, k, v, do = inputs
-    poison(q, k, v, q, k, jax.ShapeDtypeStruct(q.shape, jnp.float32))  # o and the gradients; the fp32 dq workspace
+    poison(q, k, v, q, k, _ffi._dq_accum_type(q))  # o and the gradients; the fp32 dq workspace
     got = jax.block_until_ready(jax.jit(lambda *a: run(*a, kind, kw, "cuda", deterministic, rate, key))(*inputs))
     naive = run(*inputs, kind, kw, "reference", rate=rate, key=key)
     drop = {} if rate == 0.0 else dict(keep=np.asarray(jaxflash.dropout_mask(key, LEAD[0], q.shape[-2], q.shape[-3],

@@ -5,13 +5,22 @@
 //   q, o, do, dq   [batch, seqlen_q, heads_q, head_dim]
 //   k, v, dk, dv   [batch, seqlen_k, heads_k, head_dim]
 //   lse, dlse, delta [batch, heads_q, seqlen_q]          float32; lse natural log, -inf for rows that see no key
-//   dq_accum       [batch, seqlen_q, heads_q, head_dim]  float32 workspace of the backward pass
+//   dq_accum       [batch, dq_accum_rows(seqlen_q), heads_q, head_dim]  float32 workspace of the backward pass,
+//                  laid out as each kernel family chooses (the sm80 family and the CPU kernel use its first
+//                  batch·seqlen_q·heads_q·head_dim floats as [batch, seqlen_q, heads_q, head_dim])
 // K/V head of query head h is h / (heads_q / heads_k) (GQA/MQA share K/V by index, never repeated).
 #pragma once
 
 #include <cstdint>
 
 namespace jaxflash {
+
+// dq_accum's rows: seqlen_q rounded up to a multiple of 128, so that a Hopper kernel can add whole query tiles
+// of dQ without a bound check (jaxflash/_ffi.py sizes it by the same rule).
+constexpr int64_t kDqAccumRowMultiple = 128;
+constexpr int64_t dq_accum_rows(int64_t seqlen_q) {
+  return (seqlen_q + kDqAccumRowMultiple - 1) / kDqAccumRowMultiple * kDqAccumRowMultiple;
+}
 
 // Which (query i, key j) pairs of batch element b are visible. With c = i + diag_offset (Sk - Sq is the
 // bottom-right alignment FlashAttention uses, 0 the top-left one of jax.nn), j is visible iff

@@ -151,8 +151,8 @@ __forceinline__ __device__ void load_row_stats(TC const& coords, const BwdParams
 
 // ---- preprocess: before the main kernel -----------------------------------------------------------------
 
-// delta[b, h, i] = Σ_d dO·O − dLSE in fp32 for each row (b, i, h) of dO and O, and the row of dq_accum
-// cleared. A row's 16-byte vectors go to kLanes consecutive lanes (the head dim's vectors rounded up to a
+// delta[b, h, i] = Σ_d dO·O − dLSE in fp32 for each row (b, i, h) of dO and O, and the first clear_rows rows
+// of head_dim floats of dq_accum cleared (the grid covers the larger count). A row's 16-byte vectors go to kLanes consecutive lanes (the head dim's vectors rounded up to a
 // power of two), so a warp takes 32 / kLanes rows: one row per warp left 3/4 of the lanes idle at d = 64.
 template <int kHeadDim>
 struct PreprocessShape {
@@ -164,7 +164,7 @@ struct PreprocessShape {
 
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p,
-                                                                   const bool clear_dq_accum) {
+                                                                   const int64_t clear_rows) {
   using Shape = PreprocessShape<kHeadDim>;
   const AttnDims& dims = p.dims;
   const int64_t rows = dims.batch * dims.seqlen_q * dims.heads_q;
@@ -173,19 +173,19 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_
   // Past the last row a lane group only sums zeros, so that every lane of the warp takes the shuffles.
   const bool real = row < rows;
   float sum = 0.f;
+  const int64_t off = row * kHeadDim + lane * 8;
+  if (row < clear_rows && lane < Shape::kVecs) {
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + off);
+    acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   if (real && lane < Shape::kVecs) {
-    const int64_t off = row * kHeadDim + lane * 8;
     const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + off);
     const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + off);
     const T* ea = reinterpret_cast<const T*>(&a);
     const T* eb = reinterpret_cast<const T*>(&b);
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) sum = fmaf(float(ea[e]), float(eb[e]), sum);
-    if (clear_dq_accum) {
-      float4* acc = reinterpret_cast<float4*>(p.dq_accum + off);
-      acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-      acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
   }
   CUTE_UNROLL
   for (int s = Shape::kLanes / 2; s > 0; s /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, s);
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_
   }
 }
 
-// ---- dq = scale · dq_accum: after the main kernel, when it accumulated dQ by atomics ---------------------
+// ---- dq = scale · dq_accum: after the main kernel, when it accumulated dQ by atomics in q's layout ----------
 
 template <class T>
 __global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,
@@ -289,14 +289,22 @@ __device__ KvBlockWork kv_block_work(const BwdParams& p, int* scratch) {
 
 // ---- their launches, as every family's run_bwd makes them -------------------------------------------------
 
-// delta (and dq_accum cleared when the main kernel adds dQ into it): PreprocessShape's rows per block.
+// Which of dq_accum the preprocess clears: none, the first B·Sq·Hq rows (of head_dim floats: the layout of q,
+// which the atomic kernels add into), or all of it (every dq_accum_rows(Sq) row: the sm90 kernels' tiles).
+enum class DqAccumClear { kNone, kQRows, kAll };
+
+// delta (and dq_accum cleared as asked): PreprocessShape's rows per block.
 template <class T, int kHeadDim>
-cudaError_t launch_bwd_preprocess(const BwdParams& p, bool clear_dq_accum, cudaStream_t stream) {
+cudaError_t launch_bwd_preprocess(const BwdParams& p, DqAccumClear clear, cudaStream_t stream) {
   constexpr int kRowsPerBlock = PreprocessShape<kHeadDim>::kRowsPerBlock;
-  const int64_t rows = p.dims.batch * p.dims.seqlen_q * p.dims.heads_q;
-  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const AttnDims& d = p.dims;
+  const int64_t rows = d.batch * d.seqlen_q * d.heads_q;
+  const int64_t clear_rows = clear == DqAccumClear::kNone    ? 0
+                             : clear == DqAccumClear::kQRows ? rows
+                                                             : d.batch * dq_accum_rows(d.seqlen_q) * d.heads_q;
+  const int64_t blocks = (std::max(rows, clear_rows) + kRowsPerBlock - 1) / kRowsPerBlock;
   if (!grid_fits(blocks)) return cudaErrorInvalidConfiguration;
-  flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(blocks), 256, 0, stream>>>(p, clear_dq_accum);
+  flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(blocks), 256, 0, stream>>>(p, clear_rows);
   return cudaPeekAtLastError();
 }
 

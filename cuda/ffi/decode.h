@@ -109,7 +109,7 @@ auto BindBwd(Binding b) {
       .template Ret<ffi::AnyBuffer>()                                    // dq
       .template Ret<ffi::AnyBuffer>()                                    // dk
       .template Ret<ffi::AnyBuffer>()                                    // dv
-      .template Ret<ffi::Buffer<ffi::F32>>()   // dq_accum [..., Sq, Hq, D] (workspace)
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dq_accum [..., dq_accum_rows(Sq), Hq, D] (workspace)
       .template Ret<ffi::Buffer<ffi::F32>>()   // delta    [..., Hq, Sq]    (workspace)
       .template Attrs<Options>();
 }
@@ -307,7 +307,9 @@ inline ffi::Error ParseBwd(const char* target, const ffi::AnyBuffer& dout, const
   if (auto e = CheckShape(target, "dq", dq->dimensions(), q.dimensions()); e.failure()) return e;
   if (auto e = CheckShape(target, "dk", dk->dimensions(), k.dimensions()); e.failure()) return e;
   if (auto e = CheckShape(target, "dv", dv->dimensions(), v.dimensions()); e.failure()) return e;
-  if (auto e = CheckShape(target, "dq_accum", dq_accum->dimensions(), q.dimensions()); e.failure()) return e;
+  std::vector<int64_t> accum(q.dimensions().begin(), q.dimensions().end());
+  accum[accum.size() - 3] = dq_accum_rows(accum[accum.size() - 3]);
+  if (auto e = CheckShape(target, "dq_accum", dq_accum->dimensions(), accum); e.failure()) return e;
   if (auto e = CheckShape(target, "delta", delta->dimensions(), stat); e.failure()) return e;
   for (auto t : {dout.element_type(), o.element_type(), dq->element_type(), dk->element_type(), dv->element_type()})
     if (t != q.element_type())

@@ -46,7 +46,8 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   cudaError_t err;
 
   // 1. delta (and dq_accum cleared when dQ is accumulated by atomics).
-  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, !deterministic, stream)) != cudaSuccess) return err;
+  const DqAccumClear clear = deterministic ? DqAccumClear::kNone : DqAccumClear::kQRows;
+  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, clear, stream)) != cudaSuccess) return err;
 
   // 2. dK, dV (+ dQ atomics), 3b. dQ without atomics.
   err = with_extras(p, [&](auto extras) {

@@ -13,8 +13,9 @@
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
 //                   straight from registers (dSᵀ from shared memory at 128 query rows: kDsFromSmem); dS to
 //                   shared memory, then dQ = dS·K over both consumers' keys.
-//                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
-//                   into the fp32 dq_accum with a TMA reduce-add (deterministic mode: the dQ warp does).
+//                   Each consumer stages its part of dQ in shared memory (in register order) and one of its
+//                   threads adds it into the fp32 dq_accum with a bulk reduce-add (deterministic mode: the dQ
+//                   warp does); flash_bwd_convert_dq, below, turns dq_accum into dq.
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
 //   dQ warp:        deterministic mode only (the producer warpgroup's second warp), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
@@ -50,7 +51,6 @@ struct BwdKernelParams {
   BwdParams p;
   typename Tr::TmaQ tma_q, tma_do;
   typename Tr::TmaKV tma_k, tma_v;
-  typename Tr::TmaDq tma_dq;
   typename Tr::TmaDkv tma_dk, tma_dv;
 };
 
@@ -62,7 +62,7 @@ struct BwdSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> dout;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutdS>, 1024> ds;
-  array_aligned<float, 2 * Tr::kMmaWarpGroups * cosize_v<typename Tr::SmemLayoutDq>, 1024> dq;  // 2 buffers
+  array_aligned<float, 2 * Tr::kMmaWarpGroups * Tr::kDqChunk, 1024> dq;  // 2 buffers per consumer
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
   uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
@@ -342,21 +342,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdSt{});
 
-  // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum (rows past the tensor are dropped
-  // by TMA; rows past q_len hold zeros).
-  auto dq_staging = [&](int g, int b) {
-    return make_tensor(make_smem_ptr(ss.dq.data() + (2 * g + b) * cosize_v<typename Tr::SmemLayoutDq>),
-                       typename Tr::SmemLayoutDq{});
-  };
+  // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum: query tile m0's kBlockM·d
+  // floats of (batch, head) start at ((batch·heads_q + head)·dq_accum_rows(seqlen_q) + m0)·d, consumer g's part
+  // g·kDqChunk floats further (whole tiles: dq_accum's rows are rounded up).
+  auto dq_staging = [&](int g, int b) { return ss.dq.data() + (2 * g + b) * Tr::kDqChunk; };
   auto reduce_add_dq = [&](int g, int b, int64_t head, int64_t m0) {
-    Tensor mDq = kp.tma_dq.get_tma_tensor(
-        make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
-    const int row0 = Tr::kDqSplitRows ? g * Tr::kDqRows : 0, col0 = Tr::kDqSplitRows ? 0 : g * Tr::kDqCols;
-    Tensor gDq = local_tile(mDq(_, _, int32_t(head), int32_t(batch)), typename Tr::TileDq{},
-                            make_coord(int32_t((m0 + row0) / Tr::kDqRows), col0 / Tr::kDqCols));
-    auto [tDqg, tDqs] = tma_partition(kp.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(dq_staging(g, b)),
-                                      group_modes<0, 2>(gDq));
-    copy(kp.tma_dq, tDqs, tDqg);
+    float* dst = p.dq_accum + ((batch * dims.heads_q + head) * dq_accum_rows(seqlen_q) + m0) * kD + g * Tr::kDqChunk;
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(cast_smem_ptr_to_uint(dq_staging(g, b))), "n"(Tr::kDqChunk * 4) : "memory");
     tma_store_arrive();
   };
 
@@ -408,7 +401,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   typename Tr::TiledMmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
   auto thr_kv = mma_kv.get_thread_slice(mma_tid);
-  auto thr_dq = mma_dq.get_thread_slice(mma_tid);
   // The shared-memory operands' descriptors are one per warpgroup: partitioned for the warpgroup's first
   // thread, a warp-uniform index, they are built in uniform registers (from mma_tid, every wgmma rebuilt its
   // K or V descriptor in vector registers and moved it over).
@@ -455,11 +447,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor s_t = transposed(s_kq);
   Tensor dp_t = transposed(rowcol(acc_dp));
   constexpr int kQCols = decltype(size<0>(c_t))::value;
-  Tensor dq_rc = rowcol(acc_dq);
-  Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
-  // Where this warpgroup's dQ staging tile lies in the (kBlockM, d) tile.
-  const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
-
   const float score_log2 = (softcap ? 1.f : p.scale) * 1.4426950408889634f;
   const BwdExtras extras = kX != Extras::kNone ? BwdExtras(p, batch) : BwdExtras();
 
@@ -603,26 +590,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     ClusterBarrier::arrive(&ss.do_empty[stage]);
     // dQ into this block's staging tile (deterministic mode: once the dQ warp has let it go).
     if (kOrdered && it > 0) NamedBarrier::sync(kDqSyncThreads, kBarDqEmpty + wg);
-    Tensor sDq = dq_staging(wg, buf);
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(dq_rc); ++r) {
-      int row = get<0>(dq_c_rc(r, 0)) - dq_row0;
-      // Opaque to the compiler: the swizzled addresses are recomputed here rather than hoisted out of the
-      // loop into registers that would be spilled.
-      asm volatile("" : "+r"(row));
-      // (c, c + 1) are adjacent columns, adjacent in sDq. Pairs 8 columns (32 bytes) apart: four share a
-      // 128-byte swizzled row, where pair j lies at the first one's address with bits 5-6 XOR j. The swizzle
-      // puts rows 2i and 2i + 1 on the same banks, and a half-warp's 64-bit stores cover four rows: odd rows
-      // store their pairs in the order j ^ 2, so each half-warp fills all 32 banks once.
-      const bool odd = row & 1;
-      uint32_t addr0 = 0;
+    {
+      float4* staged = reinterpret_cast<float4*>(dq_staging(wg, buf)) + mma_tid % 128;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(dq_rc); c += 2) {
-        const int j = c / 2 % 4;
-        if (j == 0) addr0 = cast_smem_ptr_to_uint(&sDq(row, get<1>(dq_c_rc(r, c)) - dq_col0)) ^ (odd ? 2u << 5 : 0u);
-        const float lo = odd ? dq_rc(r, c ^ 4) : dq_rc(r, c), hi = odd ? dq_rc(r, (c ^ 4) + 1) : dq_rc(r, c + 1);
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr0 ^ uint32_t(j << 5)), "f"(lo), "f"(hi));
-      }
+      for (int v = 0; v < size(acc_dq) / 4; ++v)
+        staged[v * 128] = make_float4(acc_dq(4 * v), acc_dq(4 * v + 1), acc_dq(4 * v + 2), acc_dq(4 * v + 3));
     }
     cutlass::arch::fence_view_async_shared();
     if constexpr (kOrdered) {
@@ -639,6 +611,45 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   if (!kOrdered && releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
 
   store_dkdv<Tr>(kp, ss, w, rowcol(acc_dk), rowcol(acc_dv), thr_kv, mma_tid);
+}
+
+// dq = scale · dq_accum after flash_bwd_kernel, one block per (query tile, batch · query head): the tile's floats
+// lie in the consumers' register order (reduce_add_dq), which the TiledMmaDq's partition of the tile undoes. Each
+// thread reads its own register's float4s (a warp 512 contiguous bytes), puts them at their (row, column) in
+// shared memory, and the tile leaves in 16-byte row pieces; rows past seqlen_q are dropped.
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kMmaThreads) flash_bwd_convert_dq(const __grid_constant__ BwdParams p) {
+  using T = typename Tr::Element;
+  constexpr int kM = Tr::kBlockM, kD = Tr::kHeadDim, kPitch = kD + 8;  // 16 bytes of padding: no bank conflicts
+  __shared__ alignas(16) T tile[kM * kPitch];
+  const AttnDims& dims = p.dims;
+  const int64_t m_blocks = (dims.seqlen_q + kM - 1) / kM;
+  const int64_t m0 = int64_t(blockIdx.x) % m_blocks * kM, bh = int64_t(blockIdx.x) / m_blocks;
+  const int tid = threadIdx.x;
+  const float* acc = p.dq_accum + (bh * dq_accum_rows(dims.seqlen_q) + m0) * kD;
+  Tensor coord = typename Tr::TiledMmaDq{}.get_thread_slice(tid).partition_C(
+      make_identity_tensor(typename Tr::TileQ{}));
+  // Register order: 4v, 4v + 1 are adjacent columns of one row, 4v + 2, 4v + 3 the same columns 8 rows down.
+  const float4* mine = reinterpret_cast<const float4*>(acc + tid / 128 * Tr::kDqChunk) + tid % 128;
+  CUTE_UNROLL
+  for (int v = 0; v < size(coord) / 4; ++v) {
+    const float4 a = mine[v * 128];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int row = get<0>(coord(4 * v + 2 * h)), col = get<1>(coord(4 * v + 2 * h));
+      alignas(4) T pair[2] = {T((h ? a.z : a.x) * p.scale), T((h ? a.w : a.y) * p.scale)};
+      *reinterpret_cast<uint32_t*>(&tile[row * kPitch + col]) = *reinterpret_cast<const uint32_t*>(pair);
+    }
+  }
+  __syncthreads();
+  const int64_t batch = bh / dims.heads_q, head = bh % dims.heads_q;
+  constexpr int kPieces = kD * int(sizeof(T)) / 16;  // per row
+  for (int i = tid; i < kM * kPieces; i += Tr::kMmaThreads) {
+    const int row = i / kPieces, piece = i % kPieces;
+    if (m0 + row >= dims.seqlen_q) break;  // rows grow with i
+    T* out = static_cast<T*>(p.dq) + ((batch * dims.seqlen_q + m0 + row) * dims.heads_q + head) * kD;
+    reinterpret_cast<uint4*>(out)[piece] = *reinterpret_cast<const uint4*>(&tile[row * kPitch + piece * 8]);
+  }
 }
 
 }  // namespace jaxflash::sm90

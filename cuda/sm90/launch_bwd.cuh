@@ -16,7 +16,8 @@
 
 namespace jaxflash::sm90 {
 
-// kX: the extras compiled in (bwd_kernel.cuh); the split-d kernel has only kNone and kAll (its kExtras).
+// The main kernel and the dq conversion for its layout of dq_accum. kX: the extras compiled in
+// (bwd_kernel.cuh); the split-d kernel has only kNone and kAll (its kExtras).
 template <class Tr, Extras kX, bool kOrdered>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device) {
   using T = typename Tr::Element;
@@ -45,19 +46,21 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
       make_tma<Tr>(p.dout, d.seqlen_q, d.heads_q, d.batch, q_layout, typename Tr::TileQ{}),
       make_tma<Tr>(p.k, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
       make_tma<Tr>(p.v, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
-      [&] {
-        if constexpr (Tr::kSplitD) return typename Tr::TmaDq{};
-        else
-          return make_tma_copy(SM90_TMA_REDUCE_ADD{}, gmem_view<Tr>(p.dq_accum, d.seqlen_q, d.heads_q, d.batch),
-                               typename Tr::SmemLayoutDq{}, typename Tr::TileDq{}, _1{});
-      }(),
       make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dk), d.seqlen_k, d.heads_k, d.batch),
                     typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dv), d.seqlen_k, d.heads_k, d.batch),
                     typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
   };
   kKernel<<<dim3(unsigned(blocks)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
-  return cudaPeekAtLastError();
+  if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
+  if constexpr (Tr::kSplitD) {
+    return launch_convert_dq<T, Tr::kHeadDim>(p, stream, device);  // its atomics add in q's layout
+  } else {
+    const int64_t tiles = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * d.batch * d.heads_q;
+    if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;
+    flash_bwd_convert_dq<Tr><<<unsigned(tiles), Tr::kMmaThreads, 0, stream>>>(p);
+    return cudaPeekAtLastError();
+  }
 }
 
 template <DType kDType, int kHeadDim>
@@ -67,7 +70,8 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   // Deterministic with segment ids or past d = 128: the sm80 family's (the handler's choice).
   if (p.deterministic && (Tr::kSplitD || p.mask.q_segment_ids != nullptr)) return cudaErrorNotSupported;
   cudaError_t err;
-  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, /*clear_dq_accum=*/true, stream)) != cudaSuccess) return err;
+  const DqAccumClear clear = Tr::kSplitD ? DqAccumClear::kQRows : DqAccumClear::kAll;
+  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, clear, stream)) != cudaSuccess) return err;
   // One extra alone runs a kernel of its own (bwd_kernel.cuh), except in deterministic calls, whose ordered
   // kernels are those with none and with all (an ordered kernel of dropout alone measured 2 % slower).
   const bool cap = p.softcap > 0.f, drop = p.dropout.rate > 0.f, seg = p.mask.q_segment_ids != nullptr;
@@ -84,12 +88,10 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
                              : launch_bwd_main<TrX, kX, false>(p, stream, device);
   };
   using std::integral_constant;
-  err = alone ? (cap ? launch(integral_constant<Extras, Extras::kSoftcap>{})
-                     : launch(integral_constant<Extras, Extras::kDropout>{}))
-              : (needs_extras(p) ? launch(integral_constant<Extras, Extras::kAll>{})
-                                 : launch(integral_constant<Extras, Extras::kNone>{}));
-  if (err != cudaSuccess) return err;
-  return launch_convert_dq<T, kHeadDim>(p, stream, device);
+  return alone ? (cap ? launch(integral_constant<Extras, Extras::kSoftcap>{})
+                      : launch(integral_constant<Extras, Extras::kDropout>{}))
+               : (needs_extras(p) ? launch(integral_constant<Extras, Extras::kAll>{})
+                                  : launch(integral_constant<Extras, Extras::kNone>{}));
 }
 
 }  // namespace jaxflash::sm90

@@ -28,6 +28,7 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
+#include "params.h"
 #include "traits.cuh"
 
 namespace jaxflash::sm90 {
@@ -97,11 +98,13 @@ struct BwdTraits {
   using TiledMmaDq = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, DqAtomShape, GMMA::Major::MN, GMMA::Major::MN>(),
       DqAtomLayout{}));
-  // One warpgroup's part of dQ (fp32), staged in shared memory for a TMA reduce-add into dq_accum; 128-byte
-  // swizzled rows, so the accumulator's pairs land without bank conflicts.
+  // One warpgroup's part of dQ (fp32, kDqRows x kDqCols) is staged in shared memory in its threads' register
+  // order, float4 v of thread t at (v·128 + t)·4: conflict-free 16-byte stores at fixed offsets, and one bulk
+  // reduce-add of contiguous bytes into dq_accum, which holds each query tile in that order
+  // (flash_bwd_convert_dq undoes it).
   static constexpr int kDqRows = kDqSplitRows ? 64 : kBlockM, kDqCols = kDqSplitRows ? kHeadDim_ : kHeadDim_ / 2;
-  using TileDq = Shape<Int<kDqRows>, Int<kDqCols>>;
-  using SmemLayoutDq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, TileDq{}));
+  static constexpr int kDqChunk = kDqRows * kDqCols;
+  static_assert(kDqChunk % (4 * 128) == 0 && kDqAccumRowMultiple % kBlockM == 0);
 
   using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim_>());
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, TileKV{}));
@@ -123,8 +126,6 @@ struct BwdTraits {
   using GmemStride = typename FwdTraits<Element_, kHeadDim_>::GmemStride;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{}, _1{}));
-  using GmemTensorF32 = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), GmemShape{}, GmemStride{}));
-  using TmaDq = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorF32{}, SmemLayoutDq{}, TileDq{}, _1{}));
   // dK and dV leave through the K and V tiles in shared memory.
   using TmaDkv = decltype(make_tma_copy(SM90_TMA_STORE{}, typename FwdTraits<Element_, kHeadDim_>::GmemTensorOut{},
                                         SmemLayoutKV{}, TileKV{}, _1{}));
@@ -196,7 +197,6 @@ struct BwdSplitDTraits {
   using GmemStride = typename FwdTraits<Element_, kHeadDim_>::GmemStride;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{}, _1{}));
-  struct TmaDq {};  // dQ leaves by atomics
   using TmaDkv = decltype(make_tma_copy(SM90_TMA_STORE{}, typename FwdTraits<Element_, kHeadDim_>::GmemTensorOut{},
                                         SmemLayoutKV{}, TileKV{}, _1{}));
 
