@@ -13,9 +13,10 @@
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
 //                   straight from registers (dSᵀ from shared memory at 128 query rows: kDsFromSmem); dS to
 //                   shared memory, then dQ = dS·K over both consumers' keys.
-//                   Each consumer stages its part of dQ in shared memory (in register order) and one of its
-//                   threads adds it into the fp32 dq_accum with a bulk reduce-add (deterministic mode: the dQ
-//                   warp does); flash_bwd_convert_dq, below, turns dq_accum into dq.
+//                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
+//                   into the fp32 dq_accum (deterministic mode: the dQ warp does): at 64 query rows in
+//                   register order by a bulk reduce-add (flash_bwd_convert_dq, below, turns that into dq),
+//                   at 128 by a TMA reduce-add in q's layout (Tr::kDqFlat says why).
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
 //   dQ warp:        deterministic mode only (the producer warpgroup's second warp), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
@@ -51,6 +52,7 @@ struct BwdKernelParams {
   BwdParams p;
   typename Tr::TmaQ tma_q, tma_do;
   typename Tr::TmaKV tma_k, tma_v;
+  typename Tr::TmaDq tma_dq;  // NoTma where kDqFlat
   typename Tr::TmaDkv tma_dk, tma_dv;
 };
 
@@ -62,7 +64,7 @@ struct BwdSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> dout;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutdS>, 1024> ds;
-  array_aligned<float, 2 * Tr::kMmaWarpGroups * Tr::kDqChunk, 1024> dq;  // 2 buffers per consumer
+  array_aligned<float, 2 * Tr::kMmaWarpGroups * Tr::kDqChunk, 1024> dq;  // 2 staging tiles per consumer
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
   uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
@@ -342,14 +344,30 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdSt{});
 
-  // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum: query tile m0's kBlockM·d
-  // floats of (batch, head) start at ((batch·heads_q + head)·dq_accum_rows(seqlen_q) + m0)·d, consumer g's part
-  // g·kDqChunk floats further (whole tiles: dq_accum's rows are rounded up).
-  auto dq_staging = [&](int g, int b) { return ss.dq.data() + (2 * g + b) * Tr::kDqChunk; };
+  // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum. kDqFlat: query tile m0's
+  // kBlockM·d floats of (batch, head) start at ((batch·heads_q + head)·dq_accum_rows(seqlen_q) + m0)·d, consumer
+  // g's part g·kDqChunk floats further (whole tiles: dq_accum's rows are rounded up). Else q's layout, where TMA
+  // drops rows past the tensor (rows past q_len hold zeros).
+  auto dq_staged = [&](int g, int b) { return ss.dq.data() + (2 * g + b) * Tr::kDqChunk; };
+  auto dq_staging = [&](int g, int b) {
+    return make_tensor(make_smem_ptr(dq_staged(g, b)), typename Tr::SmemLayoutDq{});
+  };
   auto reduce_add_dq = [&](int g, int b, int64_t head, int64_t m0) {
-    float* dst = p.dq_accum + ((batch * dims.heads_q + head) * dq_accum_rows(seqlen_q) + m0) * kD + g * Tr::kDqChunk;
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 ::"l"(dst), "r"(cast_smem_ptr_to_uint(dq_staging(g, b))), "n"(Tr::kDqChunk * 4) : "memory");
+    if constexpr (Tr::kDqFlat) {
+      float* dst = p.dq_accum + ((batch * dims.heads_q + head) * dq_accum_rows(seqlen_q) + m0) * kD + g * Tr::kDqChunk;
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                   ::"l"(dst), "r"(cast_smem_ptr_to_uint(dq_staged(g, b))), "n"(Tr::kDqChunk * 4)
+                   : "memory");
+    } else {
+      Tensor mDq = kp.tma_dq.get_tma_tensor(
+          make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
+      const int row0 = Tr::kDqSplitRows ? g * Tr::kDqRows : 0, col0 = Tr::kDqSplitRows ? 0 : g * Tr::kDqCols;
+      Tensor gDq = local_tile(mDq(_, _, int32_t(head), int32_t(batch)), typename Tr::TileDq{},
+                              make_coord(int32_t((m0 + row0) / Tr::kDqRows), col0 / Tr::kDqCols));
+      auto [tDqg, tDqs] = tma_partition(kp.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(dq_staging(g, b)),
+                                        group_modes<0, 2>(gDq));
+      copy(kp.tma_dq, tDqs, tDqg);
+    }
     tma_store_arrive();
   };
 
@@ -401,6 +419,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   typename Tr::TiledMmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
   auto thr_kv = mma_kv.get_thread_slice(mma_tid);
+  auto thr_dq = mma_dq.get_thread_slice(mma_tid);
   // The shared-memory operands' descriptors are one per warpgroup: partitioned for the warpgroup's first
   // thread, a warp-uniform index, they are built in uniform registers (from mma_tid, every wgmma rebuilt its
   // K or V descriptor in vector registers and moved it over).
@@ -447,6 +466,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor s_t = transposed(s_kq);
   Tensor dp_t = transposed(rowcol(acc_dp));
   constexpr int kQCols = decltype(size<0>(c_t))::value;
+  Tensor dq_rc = rowcol(acc_dq);
+  Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
+  // Where this warpgroup's dQ staging tile lies in the (kBlockM, d) tile (without kDqFlat).
+  const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
   const float score_log2 = (softcap ? 1.f : p.scale) * 1.4426950408889634f;
   const BwdExtras extras = kX != Extras::kNone ? BwdExtras(p, batch) : BwdExtras();
 
@@ -590,11 +613,34 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     ClusterBarrier::arrive(&ss.do_empty[stage]);
     // dQ into this block's staging tile (deterministic mode: once the dQ warp has let it go).
     if (kOrdered && it > 0) NamedBarrier::sync(kDqSyncThreads, kBarDqEmpty + wg);
-    {
-      float4* staged = reinterpret_cast<float4*>(dq_staging(wg, buf)) + mma_tid % 128;
+    if constexpr (Tr::kDqFlat) {
+      float4* staged = reinterpret_cast<float4*>(dq_staged(wg, buf)) + mma_tid % 128;
       CUTE_UNROLL
       for (int v = 0; v < size(acc_dq) / 4; ++v)
         staged[v * 128] = make_float4(acc_dq(4 * v), acc_dq(4 * v + 1), acc_dq(4 * v + 2), acc_dq(4 * v + 3));
+    } else {
+      Tensor sDq = dq_staging(wg, buf);
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(dq_rc); ++r) {
+        int row = get<0>(dq_c_rc(r, 0)) - dq_row0;
+        // Opaque to the compiler: the swizzled addresses are recomputed here rather than hoisted out of the
+        // loop into registers that would be spilled.
+        asm volatile("" : "+r"(row));
+        // (c, c + 1) are adjacent columns, adjacent in sDq. Pairs 8 columns (32 bytes) apart: four share a
+        // 128-byte swizzled row, where pair j lies at the first one's address with bits 5-6 XOR j. The swizzle
+        // puts rows 2i and 2i + 1 on the same banks, and a half-warp's 64-bit stores cover four rows: odd rows
+        // store their pairs in the order j ^ 2, so each half-warp fills all 32 banks once.
+        const bool odd = row & 1;
+        uint32_t addr0 = 0;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dq_rc); c += 2) {
+          const int j = c / 2 % 4;
+          if (j == 0)
+            addr0 = cast_smem_ptr_to_uint(&sDq(row, get<1>(dq_c_rc(r, c)) - dq_col0)) ^ (odd ? 2u << 5 : 0u);
+          const float lo = odd ? dq_rc(r, c ^ 4) : dq_rc(r, c), hi = odd ? dq_rc(r, (c ^ 4) + 1) : dq_rc(r, c + 1);
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr0 ^ uint32_t(j << 5)), "f"(lo), "f"(hi));
+        }
+      }
     }
     cutlass::arch::fence_view_async_shared();
     if constexpr (kOrdered) {
@@ -613,10 +659,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   store_dkdv<Tr>(kp, ss, w, rowcol(acc_dk), rowcol(acc_dv), thr_kv, mma_tid);
 }
 
-// dq = scale · dq_accum after flash_bwd_kernel, one block per (query tile, batch · query head): the tile's floats
-// lie in the consumers' register order (reduce_add_dq), which the TiledMmaDq's partition of the tile undoes. Each
-// thread reads its own register's float4s (a warp 512 contiguous bytes), puts them at their (row, column) in
-// shared memory, and the tile leaves in 16-byte row pieces; rows past seqlen_q are dropped.
+// dq = scale · dq_accum after a kDqFlat flash_bwd_kernel, one block per (query tile, batch · query head): the
+// tile's floats lie in the consumers' register order (reduce_add_dq), which the TiledMmaDq's partition of the
+// tile undoes. Each thread reads its own registers' float4s (a warp 512 contiguous bytes), puts them at their
+// (row, column) in shared memory, and the tile leaves in 16-byte row pieces; rows past seqlen_q are dropped.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kMmaThreads) flash_bwd_convert_dq(const __grid_constant__ BwdParams p) {
   using T = typename Tr::Element;

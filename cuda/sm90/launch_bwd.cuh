@@ -46,6 +46,12 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
       make_tma<Tr>(p.dout, d.seqlen_q, d.heads_q, d.batch, q_layout, typename Tr::TileQ{}),
       make_tma<Tr>(p.k, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
       make_tma<Tr>(p.v, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
+      [&] {
+        if constexpr (Tr::kSplitD || Tr::kDqFlat) return NoTma{};
+        else
+          return make_tma_copy(SM90_TMA_REDUCE_ADD{}, gmem_view<Tr>(p.dq_accum, d.seqlen_q, d.heads_q, d.batch),
+                               typename Tr::SmemLayoutDq{}, typename Tr::TileDq{}, _1{});
+      }(),
       make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dk), d.seqlen_k, d.heads_k, d.batch),
                     typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dv), d.seqlen_k, d.heads_k, d.batch),
@@ -53,8 +59,8 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
   };
   kKernel<<<dim3(unsigned(blocks)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
-  if constexpr (Tr::kSplitD) {
-    return launch_convert_dq<T, Tr::kHeadDim>(p, stream, device);  // its atomics add in q's layout
+  if constexpr (Tr::kSplitD || !Tr::kDqFlat) {
+    return launch_convert_dq<T, Tr::kHeadDim>(p, stream, device);  // dq_accum in q's layout
   } else {
     const int64_t tiles = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * d.batch * d.heads_q;
     if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;
@@ -70,6 +76,7 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   // Deterministic with segment ids or past d = 128: the sm80 family's (the handler's choice).
   if (p.deterministic && (Tr::kSplitD || p.mask.q_segment_ids != nullptr)) return cudaErrorNotSupported;
   cudaError_t err;
+  // All of it where a kernel may lay it out in tiles (which kernel runs is decided below).
   const DqAccumClear clear = Tr::kSplitD ? DqAccumClear::kQRows : DqAccumClear::kAll;
   if ((err = launch_bwd_preprocess<T, kHeadDim>(p, clear, stream)) != cudaSuccess) return err;
   // One extra alone runs a kernel of its own (bwd_kernel.cuh), except in deterministic calls, whose ordered
