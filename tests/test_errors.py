@@ -178,6 +178,24 @@ def test_handler_rejects_bad_input(q, k, v, kwargs, match):
         raw_fwd(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("rows", [8, 64])
+def test_backward_handler_checks_the_dq_workspace(rows):
+    """dq_accum's rows are Sq rounded up to a multiple of 128 (the Hopper kernels add whole query tiles)."""
+    lead, sq = (2,), 8
+    stat = jnp.zeros((2, 4, sq), jnp.float32)
+    seg = (jnp.zeros(lead + (sq,), jnp.int32),) * 2
+    lens = (jnp.zeros(lead, jnp.int32),) * 2
+    out_types = (jax.ShapeDtypeStruct(Q.shape, Q.dtype), jax.ShapeDtypeStruct(K.shape, K.dtype),
+                 jax.ShapeDtypeStruct(K.shape, K.dtype), jax.ShapeDtypeStruct((2, rows, 4, 16), jnp.float32),
+                 jax.ShapeDtypeStruct(stat.shape, jnp.float32))
+    kw = dict(scale=np.float32(1.0), softcap=np.float32(0.0), window_left=-1, window_right=-1, bottom_right=True,
+              diagonal_shift=0, segment_ids=False, lengths=False, dropout_rate=np.float32(0), deterministic=False)
+    with pytest.raises(Exception, match=rf"jaxflash_bwd: dq_accum must have shape \[2, 128, 4, 16\]; got "
+                                        rf"\[2, {rows}, 4, 16\]"):
+        jax.block_until_ready(jax.ffi.ffi_call("jaxflash_bwd", out_types)(
+            Q, Q, K, K, Q, stat, stat, *seg, *lens, jnp.zeros(lead + (5,), jnp.uint32), **kw))
+
+
 def test_module_built_for_a_newer_jax_is_refused_with_the_remedy():
     _ffi.check_ffi_api("m", (0, 3), (0, 5))  # built against an older FFI API: loads
     _ffi.check_ffi_api("m", (0, 5), None)  # the running API unknown: not refused
