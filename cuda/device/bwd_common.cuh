@@ -152,8 +152,9 @@ __forceinline__ __device__ void load_row_stats(TC const& coords, const BwdParams
 // ---- preprocess: before the main kernel -----------------------------------------------------------------
 
 // delta[b, h, i] = Σ_d dO·O − dLSE in fp32 for each row (b, i, h) of dO and O, and the first clear_rows rows
-// of head_dim floats of dq_accum cleared (the grid covers the larger count). A row's 16-byte vectors go to kLanes consecutive lanes (the head dim's vectors rounded up to a
-// power of two), so a warp takes 32 / kLanes rows: one row per warp left 3/4 of the lanes idle at d = 64.
+// of head_dim floats of dq_accum cleared (the grid covers the larger count). A row's 16-byte vectors go to
+// kLanes consecutive lanes (the head dim's vectors rounded up to a power of two), so a warp takes 32 / kLanes
+// rows: one row per warp left 3/4 of the lanes idle at d = 64.
 template <int kHeadDim>
 struct PreprocessShape {
   static constexpr int kVecs = kHeadDim / 8;

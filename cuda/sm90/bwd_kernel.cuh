@@ -138,10 +138,9 @@ __forceinline__ __device__ void zero_tails(TensorA&& a, TensorB&& b, int row_beg
 // The pipeline's barriers (one thread): a stage is full once its tile's TMA bytes landed, its stats ready once
 // every lane of the stats warp stored them (kStatsOnFull: full only then, so the consumers wait once per tile;
 // the deterministic kernels measured 4-5 % slower that way, the others 1-3 % faster), empty once every consumer
-// thread released it. Each thread
-// arrives for itself, since an arrive releases only its own thread's accesses (with one arrive per consumer
-// after a named barrier, racecheck reported the stats' reads against their writer's next stores; every thread
-// arriving costs nothing measurable).
+// thread released it. Each thread arrives for itself, since an arrive releases only its own thread's accesses
+// (with one arrive per consumer after a named barrier, racecheck reported the stats' reads against their
+// writer's next stores; every thread arriving costs nothing measurable).
 template <class Tr, bool kStatsOnFull, class Storage>
 __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
   ClusterTransactionBarrier::init(&ss.kv_full, 1);
@@ -354,7 +353,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   };
   auto reduce_add_dq = [&](int g, int b, int64_t head, int64_t m0) {
     if constexpr (Tr::kDqFlat) {
-      float* dst = p.dq_accum + ((batch * dims.heads_q + head) * dq_accum_rows(seqlen_q) + m0) * kD + g * Tr::kDqChunk;
+      float* dst =
+          p.dq_accum + ((batch * dims.heads_q + head) * dq_accum_rows(seqlen_q) + m0) * kD + g * Tr::kDqChunk;
       asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                    ::"l"(dst), "r"(cast_smem_ptr_to_uint(dq_staged(g, b))), "n"(Tr::kDqChunk * 4)
                    : "memory");
@@ -470,6 +470,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
   // Where this warpgroup's dQ staging tile lies in the (kBlockM, d) tile (without kDqFlat).
   const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
+
   const float score_log2 = (softcap ? 1.f : p.scale) * 1.4426950408889634f;
   const BwdExtras extras = kX != Extras::kNone ? BwdExtras(p, batch) : BwdExtras();
 
