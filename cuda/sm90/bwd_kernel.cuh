@@ -124,6 +124,14 @@ struct BwdBar {
   static_assert(kDqEmpty + 2 <= 8, "NamedBarrier's ids 0-7 are hardware barriers 8-15");
 };
 
+// A kDqFlat kernel's dq_accum: query tile m0 (kBlockM rows, d columns) of query head bh = batch·heads_q + head
+// starts at (bh·dq_accum_rows(seqlen_q) + m0)·d floats, each consumer's register-order part kDqChunk floats after
+// the previous one's (whole tiles: dq_accum's rows are rounded up).
+template <int kD>
+__forceinline__ __device__ float* flat_dq_tile(float* dq_accum, int64_t seqlen_q, int64_t bh, int64_t m0) {
+  return dq_accum + (bh * dq_accum_rows(seqlen_q) + m0) * kD;
+}
+
 // Rows [row_begin, row_end) of two (row, d) tiles zeroed by every consumer thread and made visible to wgmma
 // (rows past a length may hold anything, even NaN, and 0·NaN is not 0).
 template <class Tr, class TensorA, class TensorB>
@@ -343,18 +351,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdSt{});
 
-  // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum. kDqFlat: query tile m0's
-  // kBlockM·d floats of (batch, head) start at ((batch·heads_q + head)·dq_accum_rows(seqlen_q) + m0)·d, consumer
-  // g's part g·kDqChunk floats further (whole tiles: dq_accum's rows are rounded up). Else q's layout, where TMA
-  // drops rows past the tensor (rows past q_len hold zeros).
+  // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum: kDqFlat, at flat_dq_tile; else
+  // in q's layout, where TMA drops rows past the tensor (rows past q_len hold zeros).
   auto dq_staged = [&](int g, int b) { return ss.dq.data() + (2 * g + b) * Tr::kDqChunk; };
   auto dq_staging = [&](int g, int b) {
     return make_tensor(make_smem_ptr(dq_staged(g, b)), typename Tr::SmemLayoutDq{});
   };
   auto reduce_add_dq = [&](int g, int b, int64_t head, int64_t m0) {
     if constexpr (Tr::kDqFlat) {
-      float* dst =
-          p.dq_accum + ((batch * dims.heads_q + head) * dq_accum_rows(seqlen_q) + m0) * kD + g * Tr::kDqChunk;
+      float* dst = flat_dq_tile<kD>(p.dq_accum, seqlen_q, batch * dims.heads_q + head, m0) + g * Tr::kDqChunk;
       asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                    ::"l"(dst), "r"(cast_smem_ptr_to_uint(dq_staged(g, b))), "n"(Tr::kDqChunk * 4)
                    : "memory");
@@ -673,7 +678,7 @@ __global__ void __launch_bounds__(Tr::kMmaThreads) flash_bwd_convert_dq(const __
   const int64_t m_blocks = (dims.seqlen_q + kM - 1) / kM;
   const int64_t m0 = int64_t(blockIdx.x) % m_blocks * kM, bh = int64_t(blockIdx.x) / m_blocks;
   const int tid = threadIdx.x;
-  const float* acc = p.dq_accum + (bh * dq_accum_rows(dims.seqlen_q) + m0) * kD;
+  const float* acc = flat_dq_tile<kD>(p.dq_accum, dims.seqlen_q, bh, m0);
   Tensor coord = typename Tr::TiledMmaDq{}.get_thread_slice(tid).partition_C(
       make_identity_tensor(typename Tr::TileQ{}));
   // Register order: 4v, 4v + 1 are adjacent columns of one row, 4v + 2, 4v + 3 the same columns 8 rows down.

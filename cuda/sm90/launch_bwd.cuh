@@ -47,7 +47,7 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
       make_tma<Tr>(p.k, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
       make_tma<Tr>(p.v, d.seqlen_k, d.heads_k, d.batch, typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}),
       [&] {
-        if constexpr (Tr::kSplitD || Tr::kDqFlat) return NoTma{};
+        if constexpr (std::is_same_v<typename Tr::TmaDq, NoTma>) return NoTma{};
         else
           return make_tma_copy(SM90_TMA_REDUCE_ADD{}, gmem_view<Tr>(p.dq_accum, d.seqlen_q, d.heads_q, d.batch),
                                typename Tr::SmemLayoutDq{}, typename Tr::TileDq{}, _1{});
@@ -59,8 +59,8 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
   };
   kKernel<<<dim3(unsigned(blocks)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
-  if constexpr (Tr::kSplitD || !Tr::kDqFlat) {
-    return launch_convert_dq<T, Tr::kHeadDim>(p, stream, device);  // dq_accum in q's layout
+  if constexpr (!Tr::kDqFlat) {
+    return launch_convert_dq<T, Tr::kHeadDim>(p, stream, device);  // dq_accum in q's layout (split-d: atomics)
   } else {
     const int64_t tiles = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * d.batch * d.heads_q;
     if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;
