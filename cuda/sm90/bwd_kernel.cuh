@@ -62,17 +62,17 @@ struct BwdSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> k;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> v;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
-  array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> dout;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutDo>, 1024> dout;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutdS>, 1024> ds;
   array_aligned<float, 2 * Tr::kMmaWarpGroups * Tr::kDqChunk, 1024> dq;  // 2 staging tiles per consumer
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
-  uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
+  uint64_t do_full[Tr::kStagesDo], do_empty[Tr::kStagesDo];
   // A stage's stats written by the stats warp (ready_stats).
-  uint64_t q_ready[Tr::kStages], do_ready[Tr::kStages];
+  uint64_t q_ready[Tr::kStages], do_ready[Tr::kStagesDo];
   // Per stage, the stats of its query rows: lse2 with Q, delta with dO.
   float lse2[Tr::kStages][Tr::kBlockM];
-  float delta[Tr::kStages][Tr::kBlockM];
+  float delta[Tr::kStagesDo][Tr::kBlockM];
   int scratch[4];    // narrow_by_ids
   DropoutDraw draw;  // read where each block's keep bits are drawn rather than held in registers
 };
@@ -156,10 +156,13 @@ __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
   for (int s = 0; s < Tr::kStages; ++s) {
     // The producer's arrive with the bytes it expects (and with kStatsOnFull one per lane of the stats warp).
     ClusterTransactionBarrier::init(&ss.q_full[s], kStatsOnFull ? 1 + 32 : 1);
-    ClusterTransactionBarrier::init(&ss.do_full[s], kStatsOnFull ? 1 + 32 : 1);
     ClusterBarrier::init(&ss.q_ready[s], 32);  // the stats warp's lanes
-    ClusterBarrier::init(&ss.do_ready[s], 32);
     ClusterBarrier::init(&ss.q_empty[s], Tr::kMmaThreads);
+  }
+  CUTE_UNROLL
+  for (int s = 0; s < Tr::kStagesDo; ++s) {
+    ClusterTransactionBarrier::init(&ss.do_full[s], kStatsOnFull ? 1 + 32 : 1);
+    ClusterBarrier::init(&ss.do_ready[s], 32);
     ClusterBarrier::init(&ss.do_empty[s], Tr::kMmaThreads);
   }
 }
@@ -170,7 +173,7 @@ __forceinline__ __device__ void init_bwd_barriers(Storage& ss) {
 template <class Tr, class Storage>
 __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
                                             int lane) {
-  constexpr int kD = Tr::kHeadDim, kStages = Tr::kStages;
+  constexpr int kD = Tr::kHeadDim, kStages = Tr::kStages, kStagesDo = Tr::kStagesDo;
   const AttnDims& dims = kp.p.dims;
   const int64_t seqlen_q = dims.seqlen_q, seqlen_k = dims.seqlen_k;
   const int64_t batch = w.batch;
@@ -178,7 +181,7 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutDo{});
   auto gmem_shape = [&](int64_t rows, int64_t heads) {
     return make_shape(int32_t(rows), Int<kD>{}, int32_t(heads), int32_t(dims.batch));
   };
@@ -200,8 +203,9 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
   KvBlockWork::Cursor cur = w.first();
   for (int64_t it = 0; it < w.n_iters; ++it, w.advance(cur)) {
     const int32_t head = int32_t(cur.head), m_block = int32_t(cur.m_block);
-    const int stage = int(it % kStages);
-    const uint32_t free_parity = uint32_t((it / kStages) & 1) ^ 1;  // a fresh barrier counts as released
+    const int stage = int(it % kStages), do_stage = int(it % kStagesDo);
+    // A fresh barrier counts as released.
+    const uint32_t free_parity = uint32_t((it / kStages) & 1) ^ 1, do_free_parity = uint32_t((it / kStagesDo) & 1) ^ 1;
     Tensor gQ = local_tile(mQ(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
     Tensor gdO = local_tile(mdO(_, _, head, int32_t(batch)), typename Tr::TileQ{}, make_coord(m_block, _0{}));
     auto [tQg, tQs] = tma_partition(kp.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
@@ -210,9 +214,9 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
     ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
     ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[stage], Tr::kQBytes);
     copy(kp.tma_q.with(ss.q_full[stage]), tQg, tQs(_, stage));
-    ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
-    ClusterTransactionBarrier::arrive_and_expect_tx(&ss.do_full[stage], Tr::kQBytes);
-    copy(kp.tma_do.with(ss.do_full[stage]), tdOg, tdOs(_, stage));
+    ClusterBarrier::wait(&ss.do_empty[do_stage], do_free_parity);
+    ClusterTransactionBarrier::arrive_and_expect_tx(&ss.do_full[do_stage], Tr::kQBytes);
+    copy(kp.tma_do.with(ss.do_full[do_stage]), tdOg, tdOs(_, do_stage));
   }
 }
 
@@ -224,7 +228,7 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
 template <class Tr, bool kStatsOnFull, class Storage>
 __forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
                                             int lane) {
-  constexpr int kM = Tr::kBlockM, kStages = Tr::kStages, kRows = kM / 32;
+  constexpr int kM = Tr::kBlockM, kStages = Tr::kStages, kStagesDo = Tr::kStagesDo, kRows = kM / 32;
   static_assert(kM % 32 == 0, "each lane takes kM / 32 rows");
   const AttnDims& dims = kp.p.dims;
   const int32_t n_m = int32_t(w.n_m), q_len = int32_t(w.bm.q_len), n_iters = int32_t(w.n_iters);
@@ -236,8 +240,9 @@ __forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Stora
   const float* lse = kp.p.lse + head_off;
   const float* delta = kp.p.delta + head_off;
   for (int32_t it = 0; it < n_iters; ++it) {
-    const int stage = it % kStages;
-    const uint32_t free_parity = uint32_t(((it / kStages) & 1) ^ 1);  // a fresh barrier counts as released
+    const int stage = it % kStages, do_stage = it % kStagesDo;
+    // A fresh barrier counts as released.
+    const uint32_t free_parity = uint32_t(((it / kStages) & 1) ^ 1), do_free_parity = uint32_t(((it / kStagesDo) & 1) ^ 1);
     const int32_t row0 = row_min + m * kM;
     float l[kRows], d[kRows];
     CUTE_UNROLL
@@ -250,10 +255,10 @@ __forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Stora
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) ss.lse2[stage][lane + 32 * i] = lse_log2(l[i]);
     ClusterBarrier::arrive(kStatsOnFull ? &ss.q_full[stage] : &ss.q_ready[stage]);
-    ClusterBarrier::wait(&ss.do_empty[stage], free_parity);
+    ClusterBarrier::wait(&ss.do_empty[do_stage], do_free_parity);
     CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) ss.delta[stage][lane + 32 * i] = d[i];
-    ClusterBarrier::arrive(kStatsOnFull ? &ss.do_full[stage] : &ss.do_ready[stage]);
+    for (int i = 0; i < kRows; ++i) ss.delta[do_stage][lane + 32 * i] = d[i];
+    ClusterBarrier::arrive(kStatsOnFull ? &ss.do_full[do_stage] : &ss.do_ready[do_stage]);
     if (++m == n_m) m = 0;
     if (++idx == n_m) {
       idx = 0;
@@ -345,9 +350,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutDo{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutDot{});
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdSt{});
 

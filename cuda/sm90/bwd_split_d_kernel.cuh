@@ -7,7 +7,8 @@
 //   P and dS element-wise in registers (the (query, key) orientation of bwd_common.cuh's rules), then to
 //   shared memory, where the other warpgroup reads them;
 //   dV += Pᵀ·dO, dK += dSᵀ·Q and dQ = dS·K over all 64 keys, each warpgroup 128 of the head dim's columns;
-//   dQ added into the fp32 dq_accum by vector atomics from registers.
+//   dQ staged in shared memory in the threads' register order and added into the fp32 dq_accum by bulk
+//   reduce-adds, in two rounds (flash_bwd_convert_dq turns that into dq).
 // P and dS have two buffers: a warpgroup writes the next block's while the other may still read this one.
 // Deterministic mode is not taken (the handler runs the sm80 backward): its ordered adds need dQ staged.
 #pragma once
@@ -24,16 +25,17 @@ struct BwdSplitDSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> k;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutKV>, 1024> v;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
-  array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> dout;
+  array_aligned<T, cosize_v<typename Tr::SmemLayoutDo>, 1024> dout;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutPdS>, 1024> p;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutPdS>, 1024> ds;
+  array_aligned<float, Tr::kMmaWarpGroups * Tr::kDqChunk / Tr::kDqRounds, 1024> dq;  // a round per consumer
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
-  uint64_t do_full[Tr::kStages], do_empty[Tr::kStages];
+  uint64_t do_full[Tr::kStagesDo], do_empty[Tr::kStagesDo];
   // As in BwdSharedStorage.
-  uint64_t q_ready[Tr::kStages], do_ready[Tr::kStages];
+  uint64_t q_ready[Tr::kStages], do_ready[Tr::kStagesDo];
   float lse2[Tr::kStages][Tr::kBlockM];
-  float delta[Tr::kStages][Tr::kBlockM];
+  float delta[Tr::kStagesDo][Tr::kBlockM];
   int scratch[4];  // narrow_by_ids
 };
 
@@ -87,14 +89,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
   const int mma_tid = tid - 128;
   const int wg = warp_group - 1;  // warp-uniform
+  const bool releaser = mma_tid % 128 == 0;
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutDo{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutDot{});
   Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::SmemLayoutPdS{});
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutPdS{});
   Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::SmemLayoutPdSt{});
@@ -105,7 +108,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   typename Tr::TiledMmaDq mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
   auto thr_kv = mma_kv.get_thread_slice(mma_tid);
-  auto thr_dq = mma_dq.get_thread_slice(mma_tid);
   // Shared-memory descriptors partitioned for the warpgroup's first thread (uniform registers; bwd_kernel.cuh).
   auto wg_sdp = mma_sdp.get_thread_slice(wg * 128);
   auto wg_kv = mma_kv.get_thread_slice(wg * 128);
@@ -129,17 +131,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   clear(acc_dk);
   clear(acc_dv);
 
-  // (query, key) of every score this thread holds, and (query, d) of its dQ values.
+  // (query, key) of every score this thread holds.
   Tensor c_s = rowcol(thr_sdp.partition_C(make_identity_tensor(typename Tr::TileS{})));
   Tensor s_rc = rowcol(acc_s);
   Tensor dp_rc = rowcol(acc_dp);
   constexpr int kRows = decltype(size<0>(c_s))::value;
-  Tensor dq_rc = rowcol(acc_dq);
-  Tensor dq_c = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
 
   const float score_log2 = (kExtras && p.softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
   const BwdExtras extras = kExtras ? BwdExtras(p, w.batch) : BwdExtras();
-  const int64_t dq_row_stride = dims.heads_q * kD;
 
   // Whether a query block needs the per-key mask, decided once for this K/V block (as bwd_kernel.cuh).
   const bool mask_always = w.segments || n0 + kN > bm.kv_len;
@@ -157,21 +156,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const int64_t head = cur.head, m_block = cur.m_block;
     const int64_t m0 = m_block * kM;
     const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
-    const int stage = int(it % Tr::kStages), buf = int(it & 1);
-    const uint32_t parity = uint32_t((it / Tr::kStages) & 1);
+    const int stage = int(it % Tr::kStages), do_stage = int(it % Tr::kStagesDo), buf = int(it & 1);
+    const uint32_t parity = uint32_t((it / Tr::kStages) & 1), do_parity = uint32_t((it / Tr::kStagesDo) & 1);
 
     ClusterTransactionBarrier::wait(&ss.q_full[stage], parity);
-    ClusterTransactionBarrier::wait(&ss.do_full[stage], parity);
+    ClusterTransactionBarrier::wait(&ss.do_full[do_stage], do_parity);
     const int64_t q_valid_end = cute::min(m_end, bm.q_len);
     if (q_valid_end < m_end)  // query rows past q_len inside the tensor
-      zero_tails<Tr>(sQ(_, _, stage), sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid);
+      zero_tails<Tr>(sQ(_, _, stage), sdO(_, _, do_stage), int(q_valid_end - m0), int(m_end - m0), mma_tid);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
-    wgmma</*kZeroInit=*/true>(mma_sdp, tSrdO(_, _, _, stage), tSrV, acc_dp);
+    wgmma</*kZeroInit=*/true>(mma_sdp, tSrdO(_, _, _, do_stage), tSrV, acc_dp);
     float lse2[kRows], delta[kRows];
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       lse2[r] = ss.lse2[stage][get<0>(c_s(r, 0))];
-      delta[r] = ss.delta[stage][get<0>(c_s(r, 0))];
+      delta[r] = ss.delta[do_stage][get<0>(c_s(r, 0))];
     }
 
     warpgroup_wait<1>();  // S landed; dP still running
@@ -185,28 +184,49 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     store_pairs<typename Tr::Element>(s_rc, rowcol(thr_sdp.partition_C(sP(_, _, buf))));
     store_pairs<typename Tr::Element>(dp_rc, rowcol(thr_sdp.partition_C(sdS(_, _, buf))));
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by wgmma
+    if (releaser) tma_store_wait<0>();  // the previous block's last reduce-add has read the staging tile
     NamedBarrier::sync(kMmaThreads, BwdBar::kShared);  // both warpgroups' keys of P and dS written
 
+    wgmma</*kZeroInit=*/false>(mma_kv, tKVrPt(_, _, _, buf), tKVrdOt(_, _, _, do_stage), acc_dv);
     wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
-    wgmma</*kZeroInit=*/false>(mma_kv, tKVrPt(_, _, _, buf), tKVrdOt(_, _, _, stage), acc_dv);
     wgmma</*kZeroInit=*/false>(mma_kv, tKVrdSt(_, _, _, buf), tKVrQt(_, _, _, stage), acc_dk);
-    warpgroup_wait<2>();  // dQ landed; dV and dK still running
-    // Rows past q_len add zeros (their dS is 0): only rows inside the tensor are touched.
-    float* dq_block = p.dq_accum + ((w.batch * seqlen_q + m0) * dims.heads_q + head) * kD;
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(dq_rc); ++r) {
-      const int row = get<0>(dq_c(r, 0));
-      if (m0 + row >= m_end) continue;
-      float* dq_row = dq_block + row * dq_row_stride;
+    warpgroup_wait<2>();  // dV landed: dO's stage is free for the next block's
+    ClusterBarrier::arrive(&ss.do_empty[do_stage]);
+    warpgroup_wait<1>();  // dQ landed; dK still running
+    // dQ in rounds through this warpgroup's staging tile: float4 v of thread t at (v·128 + t)·4 of its part of
+    // the query tile (flat_dq_tile), kDqChunk / kDqRounds floats at a time, each added by one bulk reduce-add.
+    // Rows past q_len add zeros (their dS is 0); rows past the tensor are dropped by the convert step.
+    {
+      constexpr int kPerRound = Tr::kDqChunk / Tr::kDqRounds, kVecs = kPerRound / (4 * 128);
+      float* staging = ss.dq.data() + wg * kPerRound;
+      float* dst = flat_dq_tile<kD>(p.dq_accum, seqlen_q, w.batch * dims.heads_q + head, m0) + wg * Tr::kDqChunk;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(dq_rc); c += 2)
-        atomic_add_pair(dq_row + get<1>(dq_c(r, c)), dq_rc(r, c), dq_rc(r, c + 1));
+      for (int round = 0; round < Tr::kDqRounds; ++round) {
+        if (round > 0) {  // the previous round's add has read the tile
+          if (releaser) tma_store_wait<0>();
+          NamedBarrier::sync(128, BwdBar::kDqEmpty + wg);
+        }
+        float4* mine = reinterpret_cast<float4*>(staging) + mma_tid % 128;
+        CUTE_UNROLL
+        for (int v = 0; v < kVecs; ++v) {
+          const int e = 4 * (round * kVecs + v);
+          mine[v * 128] = make_float4(acc_dq(e), acc_dq(e + 1), acc_dq(e + 2), acc_dq(e + 3));
+        }
+        cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the bulk copy
+        NamedBarrier::sync(128, BwdBar::kDqFull + wg);
+        if (releaser) {
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                       ::"l"(dst + round * kPerRound), "r"(cast_smem_ptr_to_uint(staging)), "n"(kPerRound * 4)
+                       : "memory");
+          tma_store_arrive();
+        }
+      }
     }
     warpgroup_wait<0>();
     ClusterBarrier::arrive(&ss.q_empty[stage]);
-    ClusterBarrier::arrive(&ss.do_empty[stage]);
   }
 
+  if (releaser) tma_store_wait<0>();  // the shared memory outlives the last reduce-add's read
   store_dkdv<Tr>(kp, ss, w, rowcol(acc_dk), rowcol(acc_dv), thr_kv, mma_tid);
 }
 

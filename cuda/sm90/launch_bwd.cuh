@@ -76,9 +76,8 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   // Deterministic with segment ids or past d = 128: the sm80 family's (the handler's choice).
   if (p.deterministic && (Tr::kSplitD || p.mask.q_segment_ids != nullptr)) return cudaErrorNotSupported;
   cudaError_t err;
-  // All of it where a kernel may lay it out in tiles (which kernel runs is decided below).
-  const DqAccumClear clear = Tr::kSplitD ? DqAccumClear::kQRows : DqAccumClear::kAll;
-  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, clear, stream)) != cudaSuccess) return err;
+  // All of it, where a kernel may lay it out in tiles (which kernel runs is decided below).
+  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, DqAccumClear::kAll, stream)) != cudaSuccess) return err;
   // One extra alone runs a kernel of its own (bwd_kernel.cuh), except in deterministic calls, whose ordered
   // kernels are those with none and with all (an ordered kernel of dropout alone measured 2 % slower).
   const bool cap = p.softcap > 0.f, drop = p.dropout.rate > 0.f, seg = p.mask.q_segment_ids != nullptr;

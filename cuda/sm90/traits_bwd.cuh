@@ -42,18 +42,19 @@ template <int kHeadDim>
 struct BwdTileConfig;
 
 // kBlockMPlain: the query rows of the kernels without extras (Extras::kNone, deterministic or not); those with
-// extras keep kBlockM (dropout's keep bits are drawn for 64 queries).
+// extras keep kBlockM (dropout's keep bits are drawn for 64 queries). kStages: of Q, kStagesDo: of dO.
 template <>
 struct BwdTileConfig<64> {
-  static constexpr int kBlockM = 64, kBlockMPlain = 128, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 64, kBlockMPlain = 128, kBlockN = 128, kStages = 2, kStagesDo = 2;
 };
 template <>
 struct BwdTileConfig<128> {
-  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockN = 128, kStages = 2, kStagesDo = 2;
 };
+// d = 256 (BwdSplitDTraits): one stage of dO, whose 32 KB stage dQ's staging takes instead.
 template <>
-struct BwdTileConfig<256> {  // BwdSplitDTraits
-  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockN = 64, kStages = 2;
+struct BwdTileConfig<256> {
+  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockN = 64, kStages = 2, kStagesDo = 1;
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_>
@@ -62,7 +63,8 @@ struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_, kBlockN = BwdTileConfig<kHeadDim_>::kBlockN;
-  static constexpr int kStages = BwdTileConfig<kHeadDim_>::kStages;
+  static constexpr int kStages = BwdTileConfig<kHeadDim_>::kStages, kStagesDo = kStages;
+  static_assert(BwdTileConfig<kHeadDim_>::kStagesDo == kStages, "the kernel walks Q and dO in one stage order");
   static constexpr int kMmaWarpGroups = kBlockN / 64;  // wgmma's M is 64: one warpgroup per 64 keys
   static constexpr int kMmaThreads = kMmaWarpGroups * 128;
   static constexpr int kNThreads = kMmaThreads + 128;  // + the producer warpgroup
@@ -123,6 +125,8 @@ struct BwdTraits {
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockN>>{}, Step<_2, _1>{})));
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutDo = SmemLayoutQ;
+  using SmemLayoutDot = SmemLayoutQt;
   // dS (query, key, buffer), query contiguous; seen as (key, query, buffer) it takes the dSᵀ accumulator.
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
@@ -152,9 +156,14 @@ struct BwdTraits {
 //   S = Q·Kᵀ, dP = dO·Vᵀ: queries along M, each warpgroup kBlockN/2 keys (both operands in shared memory);
 //   P and dS go to shared memory (key-contiguous rows), both warpgroups' halves, two buffers;
 //   dV += Pᵀ·dO, dK += dSᵀ·Q, dQ = dS·K: every operand in shared memory, each warpgroup d/2 columns;
-//   dQ is added into dq_accum by vector atomics from registers (its fp32 staging tile, 64 KB, does not fit).
+//   dQ is staged in shared memory in the threads' register order and added into dq_accum by bulk reduce-adds
+//   (as kDqFlat in BwdTraits), in two rounds of 16 KB per warpgroup through the 32 KB that a single stage of
+//   dO leaves free (dO is released once dV's GEMM has read it, so its next load runs under dQ's and dK's).
+//   With 64 keys a block, dQ's adds are twice the bytes per FLOP of d = 128: as vector atomics from registers
+//   they took about half of the backward's time (H100: fwd+bwd 345 TFLOP/s, 652 with the adds left out).
 // Registers per consumer thread: dK + dV 2·(64·128)/128 = 128, S + dP 2·(64·32)/128 = 32, dQ 64 (after S
-//   and dP are gone). Shared memory: K, V 32 + 32, Q and dO 2 stages 2·(32 + 32), P and dS 2·(8 + 8) = 224 KB.
+//   and dP are gone). Shared memory: K, V 32 + 32, Q 2 stages 2·32, dO 1 stage 32, P and dS 2·(8 + 8), dQ
+//   staging 2·16 = 224 KB.
 template <class Element_, int kHeadDim_>
 struct BwdSplitDTraits {
   static constexpr bool kSplitD = true;
@@ -162,6 +171,7 @@ struct BwdSplitDTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = BwdTileConfig<kHeadDim_>::kBlockM, kBlockN = BwdTileConfig<kHeadDim_>::kBlockN;
   static constexpr int kStages = BwdTileConfig<kHeadDim_>::kStages;
+  static constexpr int kStagesDo = BwdTileConfig<kHeadDim_>::kStagesDo;
   static constexpr int kMmaWarpGroups = 2;
   static constexpr int kMmaThreads = kMmaWarpGroups * 128;
   static constexpr int kNThreads = kMmaThreads + 128;  // + the producer warpgroup
@@ -198,6 +208,9 @@ struct BwdSplitDTraits {
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockN>>{}, Step<_2, _1>{})));
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutDo = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim_>, Int<kStagesDo>>{}));
+  using SmemLayoutDot = decltype(composition(
+      SmemLayoutDo{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockM>, Int<kStagesDo>>{}, Step<_2, _1, _3>{})));
   // P and dS (query, key, buffer), key contiguous in 128-byte swizzled rows; and as (key, query, buffer).
   using SmemLayoutPdS = decltype(tile_to_shape(smem_atom_k_major<Element, kBlockN>(),
                                                Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
@@ -209,8 +222,11 @@ struct BwdSplitDTraits {
   using GmemStride = typename FwdTraits<Element_, kHeadDim_>::GmemStride;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}, TileKV{}, _1{}));
-  using TmaDq = NoTma;  // dQ leaves by atomics, in q's layout
-  static constexpr bool kDqFlat = false;
+  using TmaDq = NoTma;  // dQ leaves by bulk reduce-adds in register order
+  static constexpr bool kDqFlat = true;
+  static constexpr int kDqChunk = kBlockM * kHeadDim_ / 2;  // one warpgroup's columns of dQ
+  static constexpr int kDqRounds = 2;                       // staged kDqChunk / kDqRounds floats at a time
+  static_assert(kDqChunk % (4 * 128 * kDqRounds) == 0 && kDqAccumRowMultiple % kBlockM == 0);
   using TmaDkv = decltype(make_tma_copy(SM90_TMA_STORE{}, typename FwdTraits<Element_, kHeadDim_>::GmemTensorOut{},
                                         SmemLayoutKV{}, TileKV{}, _1{}));
 
