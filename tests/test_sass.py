@@ -96,9 +96,9 @@ def test_sm90_backward_kernels_use_wgmma_tma_and_setmaxnreg():
     assert sorted(flags.values()) == sorted(want), sorted(kernels)
     assert len(split_d) == 2 * n_split, sorted(split_d)
     for name, body in split_d.items():
-        # Every GEMM with both operands in shared memory; dQ added by fp32 vector atomics.
+        # Every GEMM with both operands in shared memory; dQ added by bulk reduce-adds of a register-order tile.
         assert re.search(r"HGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, gdesc\[", body), f"{name}: no SS wgmma"
-        assert "REDG.E.ADD.F32x2" in body, f"{name}: no vector atomics for dQ"
+        assert "UBLKRED.G.S.ADD.F32" in body, f"{name}: no bulk reduce-add of dQ"
         assert "UTMALDG" in body and "UTMASTG" in body, f"{name}: no TMA load or store"
         assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{name}: no setmaxnreg"
         assert "BPT.TRAP" not in body, f"{name}: a trap (built for sm_90 instead of sm_90a?)"

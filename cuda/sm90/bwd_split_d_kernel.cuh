@@ -10,7 +10,8 @@
 //   dQ staged in shared memory in the threads' register order and added into the fp32 dq_accum by bulk
 //   reduce-adds, in two rounds (flash_bwd_convert_dq turns that into dq).
 // P and dS have two buffers: a warpgroup writes the next block's while the other may still read this one.
-// Deterministic mode is not taken (the handler runs the sm80 backward): its ordered adds need dQ staged.
+// Deterministic mode is not taken (the handler runs the sm80 backward): bwd_kernel.cuh's turn order is not
+// wired into this kernel.
 #pragma once
 
 #include "bwd_kernel.cuh"

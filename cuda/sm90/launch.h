@@ -15,9 +15,9 @@ namespace jaxflash::sm90 {
 template <DType kDType, int kHeadDim>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream, int device);
 
-// The backward. Deterministic mode with segment ids, or at a head dim past 128 (the split-d kernel adds dQ by
-// unordered atomics), gives cudaErrorNotSupported: the handler runs the sm80 family's backward for those. Uses
-// dq's buffer as scratch before writing it.
+// The backward. Deterministic mode with segment ids, or at a head dim past 128 (the split-d kernel has no
+// ordered adds), gives cudaErrorNotSupported: the handler runs the sm80 family's backward for those. Uses dq's
+// buffer as scratch before writing it.
 template <DType kDType, int kHeadDim>
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device);
 

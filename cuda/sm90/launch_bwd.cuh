@@ -60,7 +60,7 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
   kKernel<<<dim3(unsigned(blocks)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
   if constexpr (!Tr::kDqFlat) {
-    return launch_convert_dq<T, Tr::kHeadDim>(p, stream, device);  // dq_accum in q's layout (split-d: atomics)
+    return launch_convert_dq<T, Tr::kHeadDim>(p, stream, device);  // dq_accum in q's layout (128-row kernels)
   } else {
     const int64_t tiles = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * d.batch * d.heads_q;
     if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;

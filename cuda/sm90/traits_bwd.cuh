@@ -159,8 +159,10 @@ struct BwdTraits {
 //   dQ is staged in shared memory in the threads' register order and added into dq_accum by bulk reduce-adds
 //   (as kDqFlat in BwdTraits), in two rounds of 16 KB per warpgroup through the 32 KB that a single stage of
 //   dO leaves free (dO is released once dV's GEMM has read it, so its next load runs under dQ's and dK's).
-//   With 64 keys a block, dQ's adds are twice the bytes per FLOP of d = 128: as vector atomics from registers
-//   they took about half of the backward's time (H100: fwd+bwd 345 TFLOP/s, 652 with the adds left out).
+//   With 64 keys a block, dQ's adds are twice the bytes per FLOP of d = 128. As vector atomics from registers
+//   they took about half of the backward's time (H100, fwd+bwd: 345 TFLOP/s, 652 with the adds left out);
+//   staged this way 428. Staging all of dQ at once needs one stage of Q as well, which cost more than it saved
+//   (347; without the adds 490).
 // Registers per consumer thread: dK + dV 2·(64·128)/128 = 128, S + dP 2·(64·32)/128 = 32, dQ 64 (after S
 //   and dP are gone). Shared memory: K, V 32 + 32, Q 2 stages 2·32, dO 1 stage 32, P and dS 2·(8 + 8), dQ
 //   staging 2·16 = 224 KB.
