@@ -242,7 +242,8 @@ __forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Stora
   for (int32_t it = 0; it < n_iters; ++it) {
     const int stage = it % kStages, do_stage = it % kStagesDo;
     // A fresh barrier counts as released.
-    const uint32_t free_parity = uint32_t(((it / kStages) & 1) ^ 1), do_free_parity = uint32_t(((it / kStagesDo) & 1) ^ 1);
+    const uint32_t free_parity = uint32_t(((it / kStages) & 1) ^ 1);
+    const uint32_t do_free_parity = uint32_t(((it / kStagesDo) & 1) ^ 1);
     const int32_t row0 = row_min + m * kM;
     float l[kRows], d[kRows];
     CUTE_UNROLL
