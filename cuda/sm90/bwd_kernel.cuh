@@ -132,6 +132,15 @@ __forceinline__ __device__ float* flat_dq_tile(float* dq_accum, int64_t seqlen_q
   return dq_accum + (bh * dq_accum_rows(seqlen_q) + m0) * kD;
 }
 
+// dst[i] += src[i] for kFloats contiguous floats, src in shared memory: one bulk reduce-add, in the caller's next
+// bulk group (tma_store_arrive commits it).
+template <int kFloats>
+__forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(dst), "r"(cast_smem_ptr_to_uint(src)), "n"(kFloats * 4)
+               : "memory");
+}
+
 // Rows [row_begin, row_end) of two (row, d) tiles zeroed by every consumer thread and made visible to wgmma
 // (rows past a length may hold anything, even NaN, and 0·NaN is not 0).
 template <class Tr, class TensorA, class TensorB>
@@ -366,9 +375,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   auto reduce_add_dq = [&](int g, int b, int64_t head, int64_t m0) {
     if constexpr (Tr::kDqFlat) {
       float* dst = flat_dq_tile<kD>(p.dq_accum, seqlen_q, batch * dims.heads_q + head, m0) + g * Tr::kDqChunk;
-      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                   ::"l"(dst), "r"(cast_smem_ptr_to_uint(dq_staged(g, b))), "n"(Tr::kDqChunk * 4)
-                   : "memory");
+      bulk_reduce_add<Tr::kDqChunk>(dst, dq_staged(g, b));
     } else {
       Tensor mDq = kp.tma_dq.get_tma_tensor(
           make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));

@@ -216,9 +216,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by the bulk copy
         NamedBarrier::sync(128, BwdBar::kDqFull + wg);
         if (releaser) {
-          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                       ::"l"(dst + round * kPerRound), "r"(cast_smem_ptr_to_uint(staging)), "n"(kPerRound * 4)
-                       : "memory");
+          bulk_reduce_add<kPerRound>(dst + round * kPerRound, staging);
           tma_store_arrive();
         }
       }
