@@ -18,13 +18,14 @@
 //                   register order by a bulk reduce-add (flash_bwd_convert_dq, below, turns that into dq),
 //                   at 128 by a TMA reduce-add in q's layout (Tr::kDqFlat says why).
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
-//   dQ warp:        deterministic mode only (the producer warpgroup's second warp), below.
+//   dQ warps:       deterministic mode only (the producer warpgroup's second and fourth warps), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
 // (keep_bits_transposed: one 32-bit mask per thread). Which extras a kernel holds is its Extras argument.
 // Deterministic mode adds into each query block's rows of dq_accum in n_block order: a turn counter per (batch,
-// query head, query block, consumer) says which K/V block adds next. The dQ warp takes each staged tile, waits
+// query head, query block, consumer) says which K/V block adds next. A dQ warp takes each staged tile, waits
 // for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits the
-// consumers no longer make (when they waited themselves, the backward took +62 % rather than +30 %).
+// consumers no longer make (when they waited themselves, the backward took +62 % rather than +30 %). Two dQ
+// warps, one per staging buffer, so that one adds while the other waits for its adds to complete.
 // kv_block_work orders the blocks so that a block waits only for its predecessor, launched before it. Segment
 // ids are not taken then (the handler runs the sm80 backward).
 // Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
@@ -70,6 +71,8 @@ struct BwdSharedStorage {
   uint64_t do_full[Tr::kStagesDo], do_empty[Tr::kStagesDo];
   // A stage's stats written by the stats warp (ready_stats).
   uint64_t q_ready[Tr::kStages], do_ready[Tr::kStagesDo];
+  // Deterministic mode: staging tile (b, g) written by consumer g / read by the dQ warp of buffer b.
+  uint64_t dq_full[2][Tr::kMmaWarpGroups], dq_empty[2][Tr::kMmaWarpGroups];
   // Per stage, the stats of its query rows: lse2 with Q, delta with dO.
   float lse2[Tr::kStages][Tr::kBlockM];
   float delta[Tr::kStagesDo][Tr::kBlockM];
@@ -323,9 +326,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = Tr::kStages;
   constexpr int kMmaThreads = Tr::kMmaThreads;
-  constexpr uint32_t kBarDs = BwdBar::kShared, kBarDqFull = BwdBar::kDqFull, kBarDqEmpty = BwdBar::kDqEmpty;
+  constexpr uint32_t kBarDs = BwdBar::kShared, kBarDqFull = BwdBar::kDqFull;
   constexpr int kWG = Tr::kMmaWarpGroups;
-  constexpr uint32_t kDqSyncThreads = 128 + 32;  // a consumer and the dQ warp (deterministic mode)
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& ss = *reinterpret_cast<BwdSharedStorage<Tr>*>(smem_raw);
@@ -352,6 +354,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   if (tid == 0) {
     if (dropout) ss.draw = dropout_draw(p.dropout, batch);
     init_bwd_barriers<Tr, kStatsOnFull>(ss);
+    if constexpr (kOrdered) {
+      CUTE_UNROLL
+      for (int b = 0; b < 2; ++b) {
+        CUTE_UNROLL
+        for (int g = 0; g < kWG; ++g) {
+          ClusterBarrier::init(&ss.dq_full[b][g], 128);  // every thread of consumer g, after its stores
+          ClusterBarrier::init(&ss.dq_empty[b][g], 1);   // the dQ warp, once its add has read the tile
+        }
+      }
+    }
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -392,32 +404,30 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   if (warp_group == 0) {
     // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (kOrdered && tid / 32 == 1 && n_iters > 0) {
-      // ---- dQ warp (deterministic mode): per query block, each consumer's staged tile in turn order ----
+    if (kOrdered && tid % 64 == 32 && n_iters > 0) {
+      // ---- dQ warps (deterministic mode; lane 0 of warps 1 and 3): per query block, each consumer's staged
+      // tile in turn order. Warp 1 takes the even blocks (staging buffer 0), warp 3 the odd ones (buffer 1): a
+      // warp waits for its adds to complete before passing their turns, and meanwhile the other one adds.
+      const int b = tid / 64;
       const int64_t m_blocks = (seqlen_q + kM - 1) / kM;
-      const bool leader = tid == 32;
       KvBlockWork::Cursor cur = w.first();
-      for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+      if (b == 1) w.advance(cur);
+      for (int64_t it = b; it < n_iters; it += 2, w.advance(cur), w.advance(cur)) {
         const int64_t head = cur.head, m_block = cur.m_block;
+        const uint32_t parity = uint32_t((it >> 1) & 1);
         auto turn = [&](int g) {
           return static_cast<int*>(p.dq) + ((batch * dims.heads_q + head) * m_blocks + m_block) * kWG + g;
         };
         const bool waits = w.pred_m_begin <= m_block && m_block < w.pred_m_end;  // the previous block adds first
         for (int g = 0; g < kWG; ++g) {
-          NamedBarrier::sync(kDqSyncThreads, kBarDqFull + g);
-          if (leader) {
-            if (waits) wait_turn(turn(g), int(n_block));
-            reduce_add_dq(g, int(it & 1), head, m_block * kM);
-          }
+          ClusterBarrier::wait(&ss.dq_full[b][g], parity);
+          if (waits) wait_turn(turn(g), int(n_block));
+          reduce_add_dq(g, b, head, m_block * kM);
         }
-        if (leader) {  // the turns pass on as soon as these adds have completed
-          bulk_wait_performed<0>();
-          for (int g = 0; g < kWG; ++g) pass_turn(turn(g), int(n_block) + 1);
-        }
-        __syncwarp();
-        // Its staging tiles (the previous block's) are free for the consumers' next block.
-        if (it + 1 < n_iters)
-          for (int g = 0; g < kWG; ++g) NamedBarrier::arrive(kDqSyncThreads, kBarDqEmpty + g);
+        tma_store_wait<0>();  // both tiles read: the consumers may stage into them again
+        for (int g = 0; g < kWG; ++g) ClusterBarrier::arrive(&ss.dq_empty[b][g]);
+        bulk_wait_performed<0>();  // the adds performed: the turns pass on
+        for (int g = 0; g < kWG; ++g) pass_turn(turn(g), int(n_block) + 1);
       }
       return;
     }
@@ -631,7 +641,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_fence_operand(rP);
     ClusterBarrier::arrive(&ss.do_empty[stage]);
     // dQ into this block's staging tile (deterministic mode: once the dQ warp has let it go).
-    if (kOrdered && it > 0) NamedBarrier::sync(kDqSyncThreads, kBarDqEmpty + wg);
+    if (kOrdered && it >= 2) ClusterBarrier::wait(&ss.dq_empty[buf][wg], uint32_t(((it >> 1) - 1) & 1));
     if constexpr (Tr::kDqFlat) {
       float4* staged = reinterpret_cast<float4*>(dq_staged(wg, buf)) + mma_tid % 128;
       CUTE_UNROLL
@@ -663,7 +673,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     }
     cutlass::arch::fence_view_async_shared();
     if constexpr (kOrdered) {
-      NamedBarrier::arrive(kDqSyncThreads, kBarDqFull + wg);
+      ClusterBarrier::arrive(&ss.dq_full[buf][wg]);
     } else {
       NamedBarrier::sync(128, kBarDqFull + wg);
       if (releaser) reduce_add_dq(wg, buf, head, m0);
