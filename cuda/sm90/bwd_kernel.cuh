@@ -477,9 +477,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   clear(acc_dk);
   clear(acc_dv);
   // dSᵀ's accumulator stored as dS by stmatrix where it pays (fwd+bwd on an H100): at 128 query rows (d = 64)
-  // the 32-bit stores' addresses spilled ~100 bytes and ran 7-13 % slower; at 64 rows (d = 128) stmatrix was
-  // 1.5-3 % slower, and in deterministic mode 4 % slower at 128 rows too.
-  constexpr bool kDsByStmatrix = kM == 128 && !kOrdered;
+  // the 32-bit stores' addresses spilled ~100 bytes and ran 7-13 % slower (deterministic mode too, 8-12 %,
+  // once its dQ warps stopped holding the consumers back); at 64 rows (d = 128) stmatrix was 1.5-3 % slower.
+  constexpr bool kDsByStmatrix = kM == 128;
   auto sts_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_sdp);
   auto thr_sts_ds = sts_ds.get_thread_slice(mma_tid);
   Tensor tdSs = thr_sts_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, KEYS, QUERIES, buffer)
