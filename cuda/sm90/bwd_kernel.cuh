@@ -640,7 +640,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_wait<1>();  // dV and dQ landed; dK still running
     warpgroup_fence_operand(rP);
     ClusterBarrier::arrive(&ss.do_empty[stage]);
-    // dQ into this block's staging tile (deterministic mode: once the dQ warp has let it go).
+    // dQ into this block's staging tile (deterministic mode: once its buffer's dQ warp has let it go).
     if (kOrdered && it >= 2) ClusterBarrier::wait(&ss.dq_empty[buf][wg], uint32_t(((it >> 1) - 1) & 1));
     if constexpr (Tr::kDqFlat) {
       float4* staged = reinterpret_cast<float4*>(dq_staged(wg, buf)) + mma_tid % 128;
