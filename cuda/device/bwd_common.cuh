@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const float* 
 // running side by side add their dQ into different rows of dq_accum instead of contending for them.
 // Deterministic mode orders the additions into each query block by n_block instead: every block visits its
 // query blocks in the same order (no rotation, else a block would wait for a predecessor's later step), and
-// the K/V blocks of one head come in runs of kOrderedRun in launch order (kv_block_work), so that chains of
-// waiting stay short and each block waits only for one launched before it.
+// the launch order (OrderedLaunch) puts every block after its predecessor, far enough behind it that the
+// predecessor is usually a step ahead, and near enough that they share Q, dO and dq_accum lines in L2.
 struct KvBlockWork {
   int64_t n_block, batch, head_k, group;
   int64_t n0, n_end, n_valid_end;  // keys [n0, n_end); those at or past n_valid_end (kv_len) are seen by nobody
@@ -248,28 +248,44 @@ struct KvBlockWork {
   }
 };
 
-// Deterministic mode's launch order: K/V blocks of one head in runs of this many (kv_block_work).
-constexpr int kOrderedRun = 8;
+// Deterministic mode's launch order: groups of `heads` (batch, K/V head)s one after another; within a group,
+// runs of `run` consecutive K/V blocks of each head in turn (the run's blocks adjacent in launch order). A
+// block's predecessor (n_block - 1 of its head) is always launched before it, so a wait never deadlocks.
+struct OrderedLaunch {
+  int64_t heads, run;
+};
+
+// A block waits at each step (query block) for its predecessor's same step. Blocks start in launch order as
+// earlier ones finish, about multiprocessors / steps per step, so adjacent blocks start 1 / that many steps
+// apart. With a step or more per block (long sequences) runs of 8 adjacent blocks wait little, over every
+// head (a run's blocks share Q and dO in L2; the first block of a run waits for nobody). With fewer (S = 1k:
+// 8 or 16 steps per block for 132 SMs) a run's blocks started nearly together and waited for each other
+// step by step, up to 7 steps of 8 (+20 % at d = 64); there a group of ~1.25 multiprocessors / steps heads
+// with runs of 1 starts each block about a step after its predecessor, and the group's few heads stay in L2.
+inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multiprocessors) {
+  const int64_t num_bh = d.batch * d.heads_k;
+  const int64_t steps = std::max<int64_t>(1, (d.seqlen_q + block_m - 1) / block_m * (d.heads_q / d.heads_k));
+  const int64_t sms = std::max(1, multiprocessors);
+  if (steps >= sms) return {num_bh, 8};
+  return {std::min(num_bh, (5 * sms + 4 * steps - 1) / (4 * steps)), 1};
+}
 
 // Every thread of the block calls it (segment ids narrow the rows with the whole block's help); `scratch` is
-// 4 ints of shared memory, free again on return.
+// 4 ints of shared memory, free again on return. `order` is used in deterministic mode (kOrdered) only.
 template <int kM, int kN, int kThreads, bool kExtras, bool kOrdered>
-__device__ KvBlockWork kv_block_work(const BwdParams& p, int* scratch) {
+__device__ KvBlockWork kv_block_work(const BwdParams& p, OrderedLaunch order, int* scratch) {
   const AttnDims& dims = p.dims;
   KvBlockWork w;
   const int64_t num_n_blocks = (dims.seqlen_k + kN - 1) / kN, num_bh = dims.batch * dims.heads_k;
   int64_t bh;
   if constexpr (kOrdered) {
-    // Runs of kOrderedRun consecutive K/V blocks of one (batch, head), one head after another, then the next
-    // run of every head: a block's predecessor is launched just before it (or a run earlier), the blocks
-    // resident together share their heads' Q, dO and dq_accum lines in L2 (with a head's K/V blocks
-    // batch x heads_k apart instead, S = 1k took +60 % over the unordered kernel), and a chain of waits is at
-    // most a run long.
-    const int64_t run = cute::min(int64_t(kOrderedRun), num_n_blocks), full = num_bh * run;
-    const int64_t g = cute::min(int64_t(blockIdx.x) / full, (num_n_blocks - 1) / run);
-    const int64_t r = blockIdx.x - g * full, width = cute::min(run, num_n_blocks - g * run);
-    bh = r / width;
-    w.n_block = g * run + r % width;
+    const int64_t group = order.heads * num_n_blocks;  // blocks of a full group
+    const int64_t g = blockIdx.x / group, r = blockIdx.x - g * group;
+    const int64_t width = cute::min(order.heads, num_bh - g * order.heads), full = width * order.run;
+    const int64_t j = cute::min(r / full, (num_n_blocks - 1) / order.run), rj = r - j * full;
+    const int64_t len = cute::min(order.run, num_n_blocks - j * order.run);
+    bh = g * order.heads + rj / len;
+    w.n_block = j * order.run + rj % len;
   } else {
     w.n_block = blockIdx.x % num_n_blocks;
     bh = blockIdx.x / num_n_blocks;

@@ -55,6 +55,7 @@ struct BwdKernelParams {
   typename Tr::TmaKV tma_k, tma_v;
   typename Tr::TmaDq tma_dq;  // NoTma where kDqFlat
   typename Tr::TmaDkv tma_dk, tma_dv;
+  OrderedLaunch order;  // deterministic mode's launch order
 };
 
 template <class Tr>
@@ -342,7 +343,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   static_assert(!kDsFromSmem || kX == Extras::kNone, "the extras' kernels keep dSᵀ and the stats in registers");
   const bool softcap = kX == Extras::kSoftcap || (kAll && p.softcap > 0.f);
   const bool dropout = kX == Extras::kDropout || (kAll && p.dropout.rate > 0.f);
-  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kAll, kOrdered>(p, ss.scratch);
+  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kAll, kOrdered>(p, kp.order, ss.scratch);
   constexpr bool kStatsOnFull = !kOrdered;  // init_bwd_barriers says why
   const int64_t n_block = w.n_block, batch = w.batch;
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;

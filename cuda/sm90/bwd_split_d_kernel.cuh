@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int warp_group = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int64_t seqlen_q = dims.seqlen_q;
 
-  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kExtras, /*kOrdered=*/false>(p, ss.scratch);
+  const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kExtras, /*kOrdered=*/false>(p, kp.order, ss.scratch);
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
 

@@ -34,6 +34,8 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
   const AttnDims& d = p.dims;
   const int64_t blocks = (d.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN * d.batch * d.heads_k;
   if (!grid_fits(blocks)) return cudaErrorInvalidConfiguration;
+  DeviceInfo info;
+  if (cudaError_t err = device_info(device, &info); err != cudaSuccess) return err;
   if (kOrdered) {  // the turn counters (bwd_kernel.cuh): 8 bytes per 64 rows of dq
     const size_t turns = size_t(d.batch * d.heads_q * ((d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM)) *
                          Tr::kMmaWarpGroups;
@@ -56,6 +58,7 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
                     typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dv), d.seqlen_k, d.heads_k, d.batch),
                     typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
+      kOrdered ? ordered_launch(d, Tr::kBlockM, info.multiprocessors) : OrderedLaunch{1, 1},
   };
   kKernel<<<dim3(unsigned(blocks)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
