@@ -255,13 +255,13 @@ struct OrderedLaunch {
   int64_t heads, run;
 };
 
-// A block waits at each step (query block) for its predecessor's same step. Blocks start in launch order as
-// earlier ones finish, about multiprocessors / steps per step, so adjacent blocks start 1 / that many steps
-// apart. With a step or more per block (long sequences) runs of 8 adjacent blocks wait little, over every
-// head (a run's blocks share Q and dO in L2; the first block of a run waits for nobody). With fewer (S = 1k:
-// 8 or 16 steps per block for 132 SMs) a run's blocks started nearly together and waited for each other
-// step by step, up to 7 steps of 8 (+20 % at d = 64); there a group of ~1.25 multiprocessors / steps heads
-// with runs of 1 starts each block about a step after its predecessor, and the group's few heads stay in L2.
+// A block waits at each step (query block) for its predecessor's same step, so it should start about a step
+// after it. Blocks start as earlier ones finish, about SMs / steps of them per step. With at least as many
+// steps per block as SMs (long sequences) adjacent blocks start a step or more apart: runs of 8 blocks of one
+// head, over every head (a run shares Q and dO in L2). With fewer (S = 1k: 8 or 16 steps against 132 SMs) a
+// run's blocks started nearly together and waited for each other step by step (+20 % at d = 64); there each
+// block's predecessor goes ~1.25 · SMs / steps places before it, the blocks of that many heads interleaved
+// (whose lines then stay in L2).
 inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multiprocessors) {
   const int64_t num_bh = d.batch * d.heads_k;
   const int64_t steps = std::max<int64_t>(1, (d.seqlen_q + block_m - 1) / block_m * (d.heads_q / d.heads_k));
