@@ -255,6 +255,9 @@ struct OrderedLaunch {
   int64_t heads, run;
 };
 
+// The run length for long sequences (ordered_launch).
+constexpr int kOrderedRun = 8;
+
 // A block waits at each step (query block) for its predecessor's same step, so it should start about a step
 // after it. Blocks start as earlier ones finish, about SMs / steps of them per step. With at least as many
 // steps per block as SMs (long sequences) adjacent blocks start a step or more apart: runs of 8 blocks of one
@@ -266,7 +269,7 @@ inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multipro
   const int64_t num_bh = d.batch * d.heads_k;
   const int64_t steps = std::max<int64_t>(1, (d.seqlen_q + block_m - 1) / block_m * (d.heads_q / d.heads_k));
   const int64_t sms = std::max(1, multiprocessors);
-  if (steps >= sms) return {num_bh, 8};
+  if (steps >= sms) return {num_bh, kOrderedRun};
   return {std::min(num_bh, (5 * sms + 4 * steps - 1) / (4 * steps)), 1};
 }
 
