@@ -103,7 +103,7 @@ def plan(query, key, value, mask: Mask, *, softcap=None, dropout_rate=0.0, dropo
     bottom_right = _check_bool(name, "bottom_right", mask.bottom_right)
     deterministic = _check_bool(name, "deterministic", deterministic)
     scale = _check_scale(name, scale, query.shape[-1])
-    softcap = _check_softcap(name, softcap)
+    softcap = _check_softcap(name, softcap, scale)
     _check_window(name, mask.window)
     offset = _check_offset(name, mask.offset)
     left, right = mask.sides()
@@ -214,13 +214,19 @@ def _check_scale(fn, scale, head_dim):
     return value
 
 
-def _check_softcap(fn, softcap) -> float:
-    """0.0 when off."""
+def _check_softcap(fn, softcap, scale) -> float:
+    """0.0 when off. The kernels multiply scores by scale / softcap and 1 / softcap in float32: a cap so large
+    that either is below the smallest normal float would be flushed to 0 and every score with it."""
     if softcap is None:
         return 0.0
     value = _static_number(fn, "softcap", softcap)
     if not math.isfinite(value) or value <= 0:
         _fail(fn, ValueError, f"softcap must be finite and positive (None: off); got {softcap!r}")
+    tiny = np.finfo(np.float32).tiny
+    if np.float32(min(scale, 1.0)) / np.float32(value) < tiny:
+        _fail(fn, ValueError, f"softcap is too large for the scale: min(scale, 1) / softcap must be at least "
+                              f"{tiny:.3g} (a normal float32); got softcap={value:g}, scale={scale:g} (None turns "
+                              f"softcap off)")
     return value
 
 

@@ -75,7 +75,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, kv_lengths, *, 
                         f"key_cache={jnp.dtype(key_cache.dtype)}")
     block_tables, kv_lengths = _check_table(_NAME, block_tables, kv_lengths, b, num_pages, page_size)
     scale = _check_scale(_NAME, scale, d)
-    softcap = _check_softcap(_NAME, softcap)
+    softcap = _check_softcap(_NAME, softcap, scale)
     _check_window(_NAME, window)
     _check_splits(num_splits)
     left, right = Mask(causal, window).sides()

@@ -113,6 +113,16 @@ def test_causal_equals_window_none_0():
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_huge_softcap_acts_as_none():
+    """A cap as large as is accepted (min(scale, 1) / softcap still a normal float32; larger ones are refused,
+    test_errors) leaves every score as it is, in both passes."""
+    q, k, v, do = make_inputs(3, LEAD, 50, 70, 2, 2, 16, DTYPES["float32"])
+    run = lambda cap: jax.vjp(lambda q, k, v: jaxflash.attention(q, k, v, softcap=cap), q, k, v)
+    (a, vjp_a), (b, vjp_b) = run(1e30), run(None)
+    for x, y in zip((a, *vjp_a(do)), (b, *vjp_b(do))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
 def test_lengths_zero_rows_are_zero_with_zero_grads():
     q, k, v, do = make_inputs(2, LEAD, 40, 30, 2, 1, 16, DTYPES["float32"])
     ql, kl = jnp.array([10, 0], jnp.int32), jnp.array([30, 7], jnp.int32)

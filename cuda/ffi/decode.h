@@ -5,7 +5,9 @@
 // CI) and the CUDA one decode the same call the same way.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -256,15 +258,29 @@ inline ffi::Error ParseDropout(const char* target, ffi::Span<const int64_t> qd, 
   return ffi::Error::Success();
 }
 
+// The kernels multiply scores by scale / softcap and 1 / softcap: below the smallest normal float either is
+// flushed to 0 (fast math), and every score with it.
+inline ffi::Error CheckScaleSoftcap(const char* target, float scale, float softcap) {
+  auto str = [](float x) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", double(x));
+    return std::string(buf);
+  };
+  if (!(scale > 0.f) || scale == INFINITY) return Invalid(target, "scale must be finite and positive; got " + str(scale));
+  if (!(softcap >= 0.f) || softcap == INFINITY)
+    return Invalid(target, "softcap must be finite and >= 0 (0: off); got " + str(softcap));
+  if (softcap > 0.f && std::fmin(scale, 1.f) / softcap < FLT_MIN)
+    return Invalid(target, "softcap is too large for the scale: min(scale, 1) / softcap must be >= 1.18e-38; got "
+                           "softcap " + str(softcap) + ", scale " + str(scale));
+  return ffi::Error::Success();
+}
+
 // What both passes decode alike: dims, scale, softcap, mask, dropout.
 template <class Params>
 ffi::Error ParseCommon(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                        const ffi::AnyBuffer& v, const OptionOperands& ops, const Options& opts, Params* p) {
   if (auto e = ParseDims(target, q, k, v, &p->dims); e.failure()) return e;
-  if (!(opts.scale > 0.f) || opts.scale == INFINITY)
-    return Invalid(target, "scale must be finite and positive; got " + std::to_string(opts.scale));
-  if (!(opts.softcap >= 0.f) || opts.softcap == INFINITY)
-    return Invalid(target, "softcap must be finite and >= 0 (0: off); got " + std::to_string(opts.softcap));
+  if (auto e = CheckScaleSoftcap(target, opts.scale, opts.softcap); e.failure()) return e;
   if (auto e = ParseMask(target, q.dimensions(), p->dims, ops, opts, &p->mask); e.failure()) return e;
   if (auto e = ParseDropout(target, q.dimensions(), ops.dropout_state, opts.dropout_rate, &p->dropout); e.failure())
     return e;

@@ -84,10 +84,7 @@ inline ffi::Error ParsePagedFwd(const char* target, const ffi::AnyBuffer& q, con
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
     return Invalid(target, std::string("q and the caches must share a dtype; got ") + DTypeName(q.element_type()) +
                                ", " + DTypeName(k.element_type()) + ", " + DTypeName(v.element_type()));
-  if (!(opts.scale > 0.f) || opts.scale == INFINITY)
-    return Invalid(target, "scale must be finite and positive; got " + std::to_string(opts.scale));
-  if (!(opts.softcap >= 0.f) || opts.softcap == INFINITY)
-    return Invalid(target, "softcap must be finite and >= 0 (0: off); got " + std::to_string(opts.softcap));
+  if (auto e = CheckScaleSoftcap(target, opts.scale, opts.softcap); e.failure()) return e;
   if (opts.window_left < -1 || opts.window_right < -1)
     return Invalid(target, "window sides must be >= -1; got (" + std::to_string(opts.window_left) + ", " +
                                std::to_string(opts.window_right) + ")");
