@@ -82,3 +82,40 @@ def test_the_target_shapes_split():
     """2048 tiles on 132 SMs: 16 rounds of whole tiles become 15 and about half a tile."""
     loads = [sum((128 if lo < 0 else hi - lo) for _, lo, hi, *_ in units) for units in _units(2048, 128, 132)]
     assert max(loads) == 15 * 128 + 66
+
+
+# ---- the deterministic backward's launch order (cuda/common/bwd_order.h) --------------------------------------
+
+# (batch, heads_q, heads_k, seqlen_q, seqlen_k, block_m, block_n, SMs): the #14 target shapes at D = 64 (128 query
+# rows) and D = 128 (64), GQA, fewer heads than a group, one K/V block, a partial last run, small GPUs.
+ORDER_CASES = [(16, 32, 32, 1024, 1024, 128, 128, 132), (16, 16, 16, 1024, 1024, 64, 128, 132),
+               (4, 16, 16, 4096, 4096, 64, 128, 132), (1, 16, 16, 16384, 16384, 64, 128, 132),
+               (2, 8, 2, 2048, 2048, 64, 128, 132), (1, 3, 1, 300, 300, 64, 128, 132), (3, 4, 4, 777, 100, 128, 128, 7),
+               (2, 6, 3, 5000, 2600, 64, 128, 1), (5, 2, 2, 128, 1300, 128, 128, 114)]
+ORDER_CASES += [(int(rng.integers(1, 9)), 4 * int(rng.integers(1, 5)), 4, int(rng.integers(1, 9000)),
+                 int(rng.integers(1, 9000)), int(rng.choice([64, 128])), 128, int(rng.integers(1, 200)))
+                for _ in range(20)]
+
+
+@pytest.mark.skipif(cuda is None or not hasattr(cuda, "bwd_launch_order"), reason="no CUDA module")
+@pytest.mark.parametrize("case", ORDER_CASES, ids=str)
+def test_bwd_launch_order(case):
+    batch, hq, hk, sq, sk, bm, bn, sms = case
+    heads, run, blocks = cuda.bwd_launch_order(batch, hq, hk, sq, sk, bm, bn, sms)
+    num_bh, num_n = batch * hk, -(-sk // bn)
+    # Every K/V block of every head once.
+    assert sorted(blocks) == [(bh, n) for bh in range(num_bh) for n in range(num_n)]
+    where = {b: i for i, b in enumerate(blocks)}
+    steps = -(-sq // bm) * (hq // hk)
+    for (bh, n), i in where.items():
+        if n == 0:
+            continue
+        gap = i - where[(bh, n - 1)]
+        assert gap > 0, "a block launched before the predecessor it waits for"
+        if steps >= sms:  # long: runs of 8 adjacent blocks of one head, over every head
+            assert (heads, run) == (num_bh, 8)
+            assert gap == 1 or n % 8 == 0
+        else:  # short: each predecessor about 1.25 * SMs / steps places earlier (all heads, if fewer)
+            assert run == 1 and heads == min(num_bh, -(-5 * sms // (4 * steps)))
+            width = min(heads, num_bh - bh // heads * heads)  # the last group may be narrower
+            assert gap == width

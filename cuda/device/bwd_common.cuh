@@ -9,6 +9,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "bwd_order.h"
 #include "device_info.h"
 #include "launch_utils.cuh"
 #include "mask.h"
@@ -248,31 +249,6 @@ struct KvBlockWork {
   }
 };
 
-// Deterministic mode's launch order: groups of `heads` (batch, K/V head)s one after another; within a group,
-// runs of `run` consecutive K/V blocks of each head in turn (the run's blocks adjacent in launch order). A
-// block's predecessor (n_block - 1 of its head) is always launched before it, so a wait never deadlocks.
-struct OrderedLaunch {
-  int64_t heads, run;
-};
-
-// The run length for long sequences (ordered_launch).
-constexpr int kOrderedRun = 8;
-
-// A block waits at each step (query block) for its predecessor's same step, so it should start about a step
-// after it. Blocks start as earlier ones finish, about SMs / steps of them per step. With at least as many
-// steps per block as SMs (long sequences) adjacent blocks start a step or more apart: runs of 8 blocks of one
-// head, over every head (a run shares Q and dO in L2). With fewer (S = 1k: 8 or 16 steps against 132 SMs) a
-// run's blocks started nearly together and waited for each other step by step (+20 % at d = 64); there each
-// block's predecessor goes ~1.25 · SMs / steps places before it, the blocks of that many heads interleaved
-// (whose lines then stay in L2).
-inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multiprocessors) {
-  const int64_t num_bh = d.batch * d.heads_k;
-  const int64_t steps = std::max<int64_t>(1, (d.seqlen_q + block_m - 1) / block_m * (d.heads_q / d.heads_k));
-  const int64_t sms = std::max(1, multiprocessors);
-  if (steps >= sms) return {num_bh, kOrderedRun};
-  return {std::min(num_bh, (5 * sms + 4 * steps - 1) / (4 * steps)), 1};
-}
-
 // Every thread of the block calls it (segment ids narrow the rows with the whole block's help); `scratch` is
 // 4 ints of shared memory, free again on return. `order` is used in deterministic mode (kOrdered) only.
 template <int kM, int kN, int kThreads, bool kExtras, bool kOrdered>
@@ -282,13 +258,7 @@ __device__ KvBlockWork kv_block_work(const BwdParams& p, OrderedLaunch order, in
   const int64_t num_n_blocks = (dims.seqlen_k + kN - 1) / kN, num_bh = dims.batch * dims.heads_k;
   int64_t bh;
   if constexpr (kOrdered) {
-    const int64_t group = order.heads * num_n_blocks;  // blocks of a full group
-    const int64_t g = blockIdx.x / group, r = blockIdx.x - g * group;
-    const int64_t width = cute::min(order.heads, num_bh - g * order.heads), full = width * order.run;
-    const int64_t j = cute::min(r / full, (num_n_blocks - 1) / order.run), rj = r - j * full;
-    const int64_t len = cute::min(order.run, num_n_blocks - j * order.run);
-    bh = g * order.heads + rj / len;
-    w.n_block = j * order.run + rj % len;
+    ordered_block(order, num_bh, num_n_blocks, blockIdx.x, &bh, &w.n_block);
   } else {
     w.n_block = blockIdx.x % num_n_blocks;
     bh = blockIdx.x / num_n_blocks;

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "bwd_order.h"
 #include "decode.h"
 #include "decode/traits.h"
 #include "decode_paged.h"
@@ -327,4 +328,33 @@ NB_MODULE(_jaxflash_cuda, m) {
       "The sm90 forward's units of work per thread block for `tiles` tiles of `n_blocks` K/V blocks on `grid` "
       "blocks, given the workspace: (tile, first block, end block, part, parts, slot, the slots of every part) "
       "each, blocks -1 for a whole tile (for tests; no GPU needed).");
+  m.def(
+      "bwd_launch_order",
+      [](int64_t batch, int64_t heads_q, int64_t heads_k, int64_t seqlen_q, int64_t seqlen_k, int block_m,
+         int block_n, int multiprocessors) {
+        if (batch < 1 || heads_k < 1 || heads_q % heads_k != 0 || seqlen_q < 1 || seqlen_k < 1 || block_m < 1 ||
+            block_n < 1 || multiprocessors < 1)
+          throw nb::value_error("bwd_launch_order: every size must be positive and heads_q a multiple of heads_k");
+        jaxflash::AttnDims d;
+        d.batch = batch;
+        d.heads_q = heads_q;
+        d.heads_k = heads_k;
+        d.seqlen_q = seqlen_q;
+        d.seqlen_k = seqlen_k;
+        const jaxflash::OrderedLaunch order = jaxflash::ordered_launch(d, block_m, multiprocessors);
+        const int64_t num_bh = batch * heads_k, num_n_blocks = (seqlen_k + block_n - 1) / block_n;
+        if (num_bh * num_n_blocks > (int64_t(1) << 24)) throw nb::value_error("bwd_launch_order: too many blocks");
+        std::vector<std::tuple<int64_t, int64_t>> blocks;
+        for (int64_t i = 0; i < num_bh * num_n_blocks; ++i) {
+          int64_t bh, n_block;
+          jaxflash::ordered_block(order, num_bh, num_n_blocks, i, &bh, &n_block);
+          blocks.emplace_back(bh, n_block);
+        }
+        return std::make_tuple(order.heads, order.run, blocks);
+      },
+      nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_k"), nb::arg("seqlen_q"), nb::arg("seqlen_k"),
+      nb::arg("block_m"), nb::arg("block_n"), nb::arg("multiprocessors"),
+      "The deterministic sm90 backward's launch order on a GPU of `multiprocessors` SMs, for tiles of block_m "
+      "query rows and block_n keys: (heads per group, run length, [(batch * heads_k + head_k, K/V block) per "
+      "block in launch order]) (for tests; no GPU needed).");
 }

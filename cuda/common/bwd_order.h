@@ -1,0 +1,58 @@
+// Deterministic mode's launch order of the backward's K/V blocks (host and device; no CuTe, so the CUDA module
+// shows it to tests without a GPU). A deterministic block adds its dQ into each query block after its
+// predecessor (n_block - 1 of the same head) has, and waits for it there: the predecessor must be launched
+// first, or blocks that wait could fill the GPU while the ones they wait for never start.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+#if defined(__CUDACC__)
+#define JAXFLASH_ORDER_HD __host__ __device__ __forceinline__
+#else
+#define JAXFLASH_ORDER_HD inline
+#endif
+
+namespace jaxflash {
+
+// Groups of `heads` (batch, K/V head)s one after another; within a group, runs of `run` consecutive K/V
+// blocks of each head in turn (a run's blocks adjacent in launch order).
+struct OrderedLaunch {
+  int64_t heads, run;
+};
+
+// The run length for long sequences (ordered_launch).
+constexpr int kOrderedRun = 8;
+
+// A block waits at each step (query block) for its predecessor's same step, so it should start about a step
+// after it. Blocks start as earlier ones finish, about SMs / steps of them per step. With at least as many
+// steps per block as SMs (long sequences) adjacent blocks start a step or more apart: runs of 8 blocks of one
+// head, over every head (a run shares Q and dO in L2). With fewer (S = 1k: 8 or 16 steps against 132 SMs) a
+// run's blocks started nearly together and waited for each other step by step (+20 % at d = 64); there each
+// block's predecessor goes ~1.25 · SMs / steps places before it, the blocks of that many heads interleaved
+// (whose lines then stay in L2).
+inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multiprocessors) {
+  const int64_t num_bh = d.batch * d.heads_k;
+  const int64_t steps_raw = (d.seqlen_q + block_m - 1) / block_m * (d.heads_q / d.heads_k);
+  const int64_t steps = steps_raw > 1 ? steps_raw : 1;
+  const int64_t sms = multiprocessors > 1 ? multiprocessors : 1;
+  if (steps >= sms) return {num_bh, kOrderedRun};
+  const int64_t heads = (5 * sms + 4 * steps - 1) / (4 * steps);
+  return {num_bh < heads ? num_bh : heads, 1};
+}
+
+// Block `index` of the launch: its (batch · heads_k + head_k) and its K/V block.
+JAXFLASH_ORDER_HD void ordered_block(OrderedLaunch order, int64_t num_bh, int64_t num_n_blocks, int64_t index,
+                                     int64_t* bh, int64_t* n_block) {
+  const int64_t group = order.heads * num_n_blocks;  // blocks of a full group
+  const int64_t g = index / group, r = index - g * group;
+  const int64_t left = num_bh - g * order.heads, width = order.heads < left ? order.heads : left;
+  const int64_t full = width * order.run, last_run = (num_n_blocks - 1) / order.run;
+  const int64_t j = r / full < last_run ? r / full : last_run, rj = r - j * full;
+  const int64_t len = order.run < num_n_blocks - j * order.run ? order.run : num_n_blocks - j * order.run;
+  *bh = g * order.heads + rj / len;
+  *n_block = j * order.run + rj % len;
+}
+
+}  // namespace jaxflash
