@@ -7,8 +7,8 @@
 
 #include <cfloat>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -266,7 +266,8 @@ inline ffi::Error CheckScaleSoftcap(const char* target, float scale, float softc
     std::snprintf(buf, sizeof(buf), "%g", double(x));
     return std::string(buf);
   };
-  if (!(scale > 0.f) || scale == INFINITY) return Invalid(target, "scale must be finite and positive; got " + str(scale));
+  if (!(scale > 0.f) || scale == INFINITY)
+    return Invalid(target, "scale must be finite and positive; got " + str(scale));
   if (!(softcap >= 0.f) || softcap == INFINITY)
     return Invalid(target, "softcap must be finite and >= 0 (0: off); got " + str(softcap));
   if (softcap > 0.f && std::fmin(scale, 1.f) / softcap < FLT_MIN)
