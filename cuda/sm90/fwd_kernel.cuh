@@ -375,8 +375,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   const int mma_tid = tid - 128;
   const int wg = warp_group - 1;  // 0 or 1
   const bool releaser = mma_tid % 128 == 0;
-  // Pingpong: each consumer waits on its own named barrier before issuing a GEMM batch and signals the
-  // other's right after; consumer 0 goes first in every tile.
+  // Pingpong: before each GEMM batch of the block loop a consumer waits on its own named barrier, and it
+  // signals the other's right after. The handshake runs on across tiles (consumer 0 goes first once; consumer
+  // 1's last signal is taken after the tile loop) and a tile's S_0 stays outside it, so a consumer starts its
+  // next tile once Q and K_0 are there while the other still finishes the current one (a handshake restarted
+  // per tile held consumer 0 until consumer 1's epilogue: 1-2 % at S = 1k and 16k, measured).
   constexpr uint32_t kBarOStore = 2;  // + wg: a consumer's O tile written (ids 0, 1: the pingpong's)
   auto sched_wait = [&] { NamedBarrier::sync(Tr::kMmaThreads, wg); };
   auto sched_signal = [&] { NamedBarrier::arrive(Tr::kMmaThreads, 1 - wg); };
@@ -404,6 +407,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   const float scale_log2 = score_scale * 1.4426950408889634f;
   auto release = [&](uint64_t* bars, int it) {
     if (releaser) ClusterBarrier::arrive(&bars[stage_of(it)]);
+  };
+  // Once this consumer's last Q·Kᵀ of a tile has landed: the next tile's Q then loads under the last softmax.
+  auto release_q = [&] {
+    if (releaser) ClusterBarrier::arrive(&ss.q_empty);
   };
   // A piece of a split tile: this thread's partial state (O unnormalised, then its rows' max and sum) into
   // the piece's slot, a thread's 16 bytes next to its neighbours' (coalesced). The consumer that completes
@@ -466,6 +473,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
   };
 
   int it = 0, tiles_done = 0;
+  if (wg == 1) sched_signal();
   FwdUnit u;
   for (uint32_t step = 0; next_unit(step, &u); ++step) {
     const FwdTile t = unit_tile(u);
@@ -540,15 +548,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       }
     };
 
-    if (wg == 1) sched_signal();
     ClusterTransactionBarrier::wait(&ss.q_full, tiles_done & 1);
     // Block 0: S_0 alone.
     ClusterTransactionBarrier::wait(&ss.k_full[stage_of(it)], parity_of(it));
-    sched_wait();
-    wgmma</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage_of(it)), acc_s);
-    if (!(wg == 1 && n_iters == 1)) sched_signal();  // consumer 1's last signal would have no taker
+    wgmma</*kZeroInit=*/true>(mma_qk, tSrQ, tSrK(_, _, _, stage_of(it)), acc_s);  // outside the pingpong
     warpgroup_wait<0>();
     release(ss.k_empty, it);
+    if (n_iters == 1) release_q();
     if (block_needs_mask(0)) {
       scores_to_probs(0, std::true_type{});
     } else {
@@ -565,9 +571,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       ClusterTransactionBarrier::wait(&ss.v_full[stage_of(prev)], parity_of(prev));
       warpgroup_fence_operand(rP);
       wgmma</*kZeroInit=*/false>(mma_pv, tOrP, tOrV(_, _, _, stage_of(prev)), acc_o);
-      if (!(wg == 1 && i == n_iters - 1)) sched_signal();
+      sched_signal();
       warpgroup_wait<1>();  // S_i landed; P·V still running
       release(ss.k_empty, cur);
+      if (i == n_iters - 1) release_q();
       const bool moved = scores_to_probs(i, masked);
       warpgroup_wait<0>();
       warpgroup_fence_operand(rP);
@@ -579,7 +586,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       for (; i < n_iters && block_needs_mask(i); ++i) iteration(i, std::true_type{});
       for (; i < n_iters && !block_needs_mask(i); ++i) iteration(i, std::false_type{});
     }
-    if (releaser) ClusterBarrier::arrive(&ss.q_empty);  // every Q·Kᵀ of this tile has landed
     // The last P·V alone.
     {
       const int last = it + n_iters - 1;
@@ -646,6 +652,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_kernel(const __gri
       }
     }
   }
+  if (wg == 0) sched_wait();  // consumer 1's last signal
   // The shared memory of the last O tiles must outlive their TMA stores' reads.
   if (Tr::kStoreOViaSmem && releaser) tma_store_wait<0>();
 }
