@@ -4,15 +4,10 @@
 // first, or blocks that wait could fill the GPU while the ones they wait for never start.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "params.h"
-
-#if defined(__CUDACC__)
-#define JAXFLASH_ORDER_HD __host__ __device__ __forceinline__
-#else
-#define JAXFLASH_ORDER_HD inline
-#endif
 
 namespace jaxflash {
 
@@ -34,16 +29,14 @@ constexpr int kOrderedRun = 8;
 // (whose lines then stay in L2).
 inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multiprocessors) {
   const int64_t num_bh = d.batch * d.heads_k;
-  const int64_t steps_raw = (d.seqlen_q + block_m - 1) / block_m * (d.heads_q / d.heads_k);
-  const int64_t steps = steps_raw > 1 ? steps_raw : 1;
-  const int64_t sms = multiprocessors > 1 ? multiprocessors : 1;
+  const int64_t steps = std::max<int64_t>(1, (d.seqlen_q + block_m - 1) / block_m * (d.heads_q / d.heads_k));
+  const int64_t sms = std::max(1, multiprocessors);
   if (steps >= sms) return {num_bh, kOrderedRun};
-  const int64_t heads = (5 * sms + 4 * steps - 1) / (4 * steps);
-  return {num_bh < heads ? num_bh : heads, 1};
+  return {std::min(num_bh, (5 * sms + 4 * steps - 1) / (4 * steps)), 1};
 }
 
 // Block `index` of the launch: its (batch · heads_k + head_k) and its K/V block.
-JAXFLASH_ORDER_HD void ordered_block(OrderedLaunch order, int64_t num_bh, int64_t num_n_blocks, int64_t index,
+JAXFLASH_HD void ordered_block(OrderedLaunch order, int64_t num_bh, int64_t num_n_blocks, int64_t index,
                                      int64_t* bh, int64_t* n_block) {
   const int64_t group = order.heads * num_n_blocks;  // blocks of a full group
   const int64_t g = index / group, r = index - g * group;

@@ -7,12 +7,6 @@
 
 #include "params.h"
 
-#if defined(__CUDACC__)
-#define JAXFLASH_HD __host__ __device__ __forceinline__
-#else
-#define JAXFLASH_HD inline
-#endif
-
 namespace jaxflash {
 
 // --- the structural part: window / causal diagonal ---------------------------------------------------

@@ -13,6 +13,14 @@
 
 #include <cstdint>
 
+// The functions of the headers that host and device code share (mask.h, philox.h, schedules): inline on
+// the host, forced inline on the device.
+#if defined(__CUDACC__)
+#define JAXFLASH_HD __host__ __device__ __forceinline__
+#else
+#define JAXFLASH_HD inline
+#endif
+
 namespace jaxflash {
 
 // dq_accum's rows: seqlen_q rounded up to a multiple of 128, so that a Hopper kernel can add whole query tiles

@@ -20,19 +20,13 @@
 
 #include "params.h"
 
-#if defined(__CUDACC__)
-#define JAXFLASH_PHILOX_HD __host__ __device__ __forceinline__
-#else
-#define JAXFLASH_PHILOX_HD inline
-#endif
-
 namespace jaxflash {
 
 struct Philox4 {
   uint32_t x[4];
 };
 
-JAXFLASH_PHILOX_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
+JAXFLASH_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
   const uint64_t p = uint64_t(a) * uint64_t(b);
   *hi = uint32_t(p >> 32);
   *lo = uint32_t(p);
@@ -42,7 +36,7 @@ JAXFLASH_PHILOX_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t* hi, uint32_t
 constexpr int kDropoutRounds = 7;
 
 template <int kRounds>
-JAXFLASH_PHILOX_HD Philox4 philox4x32(Philox4 ctr, uint32_t k0, uint32_t k1) {
+JAXFLASH_HD Philox4 philox4x32(Philox4 ctr, uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 #if defined(__CUDACC__)
 #pragma unroll
@@ -68,28 +62,28 @@ struct DropoutDraw {
 
 // The Philox words of row i, head h and the 16 key columns 16g .. 16g+15, i and g counted within the call:
 // the counter holds their positions in the whole sequence.
-JAXFLASH_PHILOX_HD Philox4 dropout_words(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t g) {
+JAXFLASH_HD Philox4 dropout_words(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t g) {
   return philox4x32<kDropoutRounds>(Philox4{{g + d.group0, i + d.row0, h, d.batch}}, d.k0, d.k1);
 }
 
 // Where column c of a 16-column group reads its byte: the word, and the byte's shift within it.
-JAXFLASH_PHILOX_HD int dropout_word(int c) { return (c & 7) >> 1; }
-JAXFLASH_PHILOX_HD int dropout_shift(int c) { return 8 * (2 * ((c >> 3) & 1) + (c & 1)); }
+JAXFLASH_HD int dropout_word(int c) { return (c & 7) >> 1; }
+JAXFLASH_HD int dropout_shift(int c) { return 8 * (2 * ((c >> 3) & 1) + (c & 1)); }
 
-JAXFLASH_PHILOX_HD bool dropout_byte_keeps(uint32_t word, int shift, uint32_t threshold) {
+JAXFLASH_HD bool dropout_byte_keeps(uint32_t word, int shift, uint32_t threshold) {
   return ((word >> shift) & 0xFFu) >= threshold;
 }
 
 // The decisions of a word's four bytes at once: bit 7 of byte b of the result is set iff byte b >= threshold,
 // i.e. iff byte + (256 - threshold) carries out of the byte: bit 7 of majority(a, c, (a & 0x7f) + (c & 0x7f))
 // per byte, with no carry crossing a byte. threshold in [1, 255] (params.h).
-JAXFLASH_PHILOX_HD uint32_t keep_msbs(uint32_t word, uint32_t threshold) {
+JAXFLASH_HD uint32_t keep_msbs(uint32_t word, uint32_t threshold) {
   const uint32_t add = (256u - threshold) * 0x01010101u, low = (word & 0x7f7f7f7fu) + (add & 0x7f7f7f7fu);
   return (word & add) | ((word | add) & low);
 }
 
 // The 16 keep bits of the group of columns 16g .. 16g+15 of row i (bit c: column 16g + c).
-JAXFLASH_PHILOX_HD uint32_t dropout_keep16(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t g) {
+JAXFLASH_HD uint32_t dropout_keep16(const DropoutDraw& d, uint32_t h, uint32_t i, uint32_t g) {
   const Philox4 r = dropout_words(d, h, i, g);
   uint32_t bits = 0;
   for (int c = 0; c < 16; ++c)
@@ -97,7 +91,7 @@ JAXFLASH_PHILOX_HD uint32_t dropout_keep16(const DropoutDraw& d, uint32_t h, uin
   return bits;
 }
 
-JAXFLASH_PHILOX_HD DropoutDraw dropout_draw(const DropoutParams& p, int64_t b) {
+JAXFLASH_HD DropoutDraw dropout_draw(const DropoutParams& p, int64_t b) {
   const uint32_t* s = p.state + kDropoutStateWords * b;
   return DropoutDraw{s[0], s[1], s[2], s[3], s[4] >> 4, p.threshold};
 }

@@ -14,11 +14,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define JAXFLASH_SCHED_HD __host__ __device__ __forceinline__
-#else
-#define JAXFLASH_SCHED_HD inline
-#endif
+#include "params.h"
 
 namespace jaxflash::sm90 {
 
@@ -35,11 +31,11 @@ constexpr int64_t kTailMinBlocks = 16;    // each block's share at least this ma
 constexpr bool tail_split_pays(int64_t head_dim) { return head_dim >= 128; }
 
 // One piece's floats: per consumer thread its d/2 values of O, then its two rows' max and (partial) sum.
-JAXFLASH_SCHED_HD int64_t tail_slot_floats(int64_t head_dim) { return kFwdConsumerThreads * (head_dim / 2 + 4); }
+JAXFLASH_HD int64_t tail_slot_floats(int64_t head_dim) { return kFwdConsumerThreads * (head_dim / 2 + 4); }
 
 // The workspace the split needs at most: two slots per block of the grid, then two counters per split tile
 // (fewer than grid tiles are split).
-JAXFLASH_SCHED_HD int64_t tail_workspace_floats(int64_t head_dim, int64_t grid) {
+JAXFLASH_HD int64_t tail_workspace_floats(int64_t head_dim, int64_t grid) {
   return 2 * grid * tail_slot_floats(head_dim) + 2 * grid;
 }
 
@@ -86,19 +82,19 @@ struct FwdUnit {
 };
 
 // The block whose range holds split block u, and where that block's range starts.
-JAXFLASH_SCHED_HD uint32_t tail_cta_of(const TailSchedule& s, uint32_t u) { return ((u + 1) * s.sk_ctas - 1) / s.work; }
-JAXFLASH_SCHED_HD uint32_t tail_range_begin(const TailSchedule& s, uint32_t c) { return c * s.work / s.sk_ctas; }
+JAXFLASH_HD uint32_t tail_cta_of(const TailSchedule& s, uint32_t u) { return ((u + 1) * s.sk_ctas - 1) / s.work; }
+JAXFLASH_HD uint32_t tail_range_begin(const TailSchedule& s, uint32_t c) { return c * s.work / s.sk_ctas; }
 
 // The slot of piece `part` of split tile j: piece s of the block that holds it, s = 1 when that block's range
 // began in an earlier tile.
-JAXFLASH_SCHED_HD int tail_slot_of(const TailSchedule& s, uint32_t j, int part) {
+JAXFLASH_HD int tail_slot_of(const TailSchedule& s, uint32_t j, int part) {
   const uint32_t c = tail_cta_of(s, j * s.n_blocks) + uint32_t(part);
   return int(2 * c + (tail_range_begin(s, c) < j * s.n_blocks ? 1 : 0));
 }
 
 // Unit `step` of block b: its whole tiles first, then the (at most two) pieces of its range; false past the
 // last.
-JAXFLASH_SCHED_HD bool fwd_unit(const TailSchedule& s, uint32_t b, uint32_t grid, uint32_t step, FwdUnit* unit) {
+JAXFLASH_HD bool fwd_unit(const TailSchedule& s, uint32_t b, uint32_t grid, uint32_t step, FwdUnit* unit) {
   const uint32_t whole = b < s.dp_tiles ? (s.dp_tiles - 1 - b) / grid + 1 : 0;
   FwdUnit u;
   if (step < whole) {
