@@ -37,7 +37,7 @@ inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multipro
 
 // Block `index` of the launch: its (batch · heads_k + head_k) and its K/V block.
 JAXFLASH_HD void ordered_block(OrderedLaunch order, int64_t num_bh, int64_t num_n_blocks, int64_t index,
-                                     int64_t* bh, int64_t* n_block) {
+                               int64_t* bh, int64_t* n_block) {
   const int64_t group = order.heads * num_n_blocks;  // blocks of a full group
   const int64_t g = index / group, r = index - g * group;
   const int64_t left = num_bh - g * order.heads, width = order.heads < left ? order.heads : left;
