@@ -76,16 +76,17 @@ def _stat_type(q):
     return t.update(shape=shape, dtype=jnp.float32)
 
 
-# dq_accum's rows: Sq rounded up to a multiple of this (cuda/common/params.h, dq_accum_rows), so that the Hopper
-# kernels add whole query tiles of dQ.
-_DQ_ACCUM_ROW_MULTIPLE = 128
+# dq_accum's rows: Sq rounded up to a whole number of query tiles of every Hopper backward kernel (64, 80 and 128
+# rows; cuda/common/params.h, dq_accum_rows), so that those kernels add whole tiles of dQ.
+def _dq_accum_rows(sq: int) -> int:
+    return max(-(-sq // 128) * 128, -(-sq // 80) * 80)
 
 
 def _dq_accum_type(q):
     """The backward's fp32 dQ workspace: q's shape with Sq rounded up, q's sharding."""
     t = _typeof(q)
     sq = q.shape[-3]
-    rows = -(-sq // _DQ_ACCUM_ROW_MULTIPLE) * _DQ_ACCUM_ROW_MULTIPLE
+    rows = _dq_accum_rows(sq)
     return t.update(shape=(*q.shape[:-3], rows, *q.shape[-2:]), dtype=jnp.float32)
 
 

@@ -23,12 +23,14 @@
 
 namespace jaxflash {
 
-// dq_accum's rows: seqlen_q rounded up to a multiple of 128, so that a Hopper kernel can add whole query tiles
-// of dQ without a bound check (jaxflash/_ffi.py sizes it by the same rule).
-constexpr int64_t kDqAccumRowMultiple = 128;
+// dq_accum's rows: seqlen_q rounded up to a whole number of query tiles of every Hopper backward kernel (64, 80
+// and 128 rows), so that a kernel can add whole tiles of dQ without a bound check (jaxflash/_ffi.py sizes it by
+// the same rule).
 constexpr int64_t dq_accum_rows(int64_t seqlen_q) {
-  return (seqlen_q + kDqAccumRowMultiple - 1) / kDqAccumRowMultiple * kDqAccumRowMultiple;
+  const int64_t by128 = (seqlen_q + 127) / 128 * 128, by80 = (seqlen_q + 79) / 80 * 80;
+  return by128 > by80 ? by128 : by80;
 }
+constexpr bool dq_accum_tiles_whole(int rows) { return rows == 64 || rows == 80 || rows == 128; }
 
 // Which (query i, key j) pairs of batch element b are visible. With c = i + diag_offset (Sk - Sq is the
 // bottom-right alignment FlashAttention uses, 0 the top-left one of jax.nn), j is visible iff

@@ -66,7 +66,7 @@ struct BwdSharedStorage {
   array_aligned<T, cosize_v<typename Tr::SmemLayoutQ>, 1024> q;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutDo>, 1024> dout;
   array_aligned<T, cosize_v<typename Tr::SmemLayoutdS>, 1024> ds;
-  array_aligned<float, 2 * Tr::kMmaWarpGroups * Tr::kDqChunk, 1024> dq;  // 2 staging tiles per consumer
+  array_aligned<float, Tr::kDqBuffers * Tr::kMmaWarpGroups * Tr::kDqChunk, 1024> dq;  // staging tiles per consumer
   uint64_t kv_full;
   uint64_t q_full[Tr::kStages], q_empty[Tr::kStages];
   uint64_t do_full[Tr::kStagesDo], do_empty[Tr::kStagesDo];
@@ -241,8 +241,7 @@ __forceinline__ __device__ void produce_bwd(const BwdKernelParams<Tr>& kp, Stora
 template <class Tr, bool kStatsOnFull, class Storage>
 __forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Storage& ss, const KvBlockWork& w,
                                             int lane) {
-  constexpr int kM = Tr::kBlockM, kStages = Tr::kStages, kStagesDo = Tr::kStagesDo, kRows = kM / 32;
-  static_assert(kM % 32 == 0, "each lane takes kM / 32 rows");
+  constexpr int kM = Tr::kBlockM, kStages = Tr::kStages, kStagesDo = Tr::kStagesDo, kRows = (kM + 31) / 32;
   const AttnDims& dims = kp.p.dims;
   const int32_t n_m = int32_t(w.n_m), q_len = int32_t(w.bm.q_len), n_iters = int32_t(w.n_iters);
   // The step's query block as KvBlockWork's cursor walks them: m cycles through n_m blocks, the head moves on
@@ -267,11 +266,13 @@ __forceinline__ __device__ void ready_stats(const BwdKernelParams<Tr>& kp, Stora
     }
     ClusterBarrier::wait(&ss.q_empty[stage], free_parity);
     CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) ss.lse2[stage][lane + 32 * i] = lse_log2(l[i]);
+    for (int i = 0; i < kRows; ++i)
+      if (kM % 32 == 0 || lane + 32 * i < kM) ss.lse2[stage][lane + 32 * i] = lse_log2(l[i]);
     ClusterBarrier::arrive(kStatsOnFull ? &ss.q_full[stage] : &ss.q_ready[stage]);
     ClusterBarrier::wait(&ss.do_empty[do_stage], do_free_parity);
     CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) ss.delta[do_stage][lane + 32 * i] = d[i];
+    for (int i = 0; i < kRows; ++i)
+      if (kM % 32 == 0 || lane + 32 * i < kM) ss.delta[do_stage][lane + 32 * i] = d[i];
     ClusterBarrier::arrive(kStatsOnFull ? &ss.do_full[do_stage] : &ss.do_ready[do_stage]);
     if (++m == n_m) m = 0;
     if (++idx == n_m) {
@@ -341,6 +342,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   constexpr bool kAll = kX == Extras::kAll;  // segment ids, and the extras decided at run time
   constexpr bool kDsFromSmem = Tr::kDsFromSmem;
   static_assert(!kDsFromSmem || kX == Extras::kNone, "the extras' kernels keep dSᵀ and the stats in registers");
+  // Each query's LSE and delta read from shared memory where used, not held for all of the thread's queries:
+  // registers for the larger tiles' accumulators.
+  constexpr bool kStatsAtUse = kDsFromSmem || Tr::kDqTransposed;
+  static_assert(!kStatsAtUse || kX == Extras::kNone, "the extras' rules take the stats from registers");
+  static_assert(!kOrdered || Tr::kDqBuffers == 2, "deterministic mode's two dQ warps take a staging tile each");
   const bool softcap = kX == Extras::kSoftcap || (kAll && p.softcap > 0.f);
   const bool dropout = kX == Extras::kDropout || (kAll && p.dropout.rate > 0.f);
   const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kAll, kOrdered>(p, kp.order, ss.scratch);
@@ -381,7 +387,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
   // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum: kDqFlat, at flat_dq_tile; else
   // in q's layout, where TMA drops rows past the tensor (rows past q_len hold zeros).
-  auto dq_staged = [&](int g, int b) { return ss.dq.data() + (2 * g + b) * Tr::kDqChunk; };
+  auto dq_staged = [&](int g, int b) { return ss.dq.data() + (Tr::kDqBuffers * g + b % Tr::kDqBuffers) * Tr::kDqChunk; };
   auto dq_staging = [&](int g, int b) {
     return make_tensor(make_smem_ptr(dq_staged(g, b)), typename Tr::SmemLayoutDq{});
   };
@@ -461,27 +467,38 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);
   Tensor tKVrQt = wg_kv.partition_fragment_B(sQt);  // (MMA, MMA_D, MMA_M, stage)
   Tensor tKVrdOt = wg_kv.partition_fragment_B(sdOt);
-  Tensor tQrdS = wg_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_N, buffer)
-  Tensor tQrKt = wg_dq.partition_fragment_B(sKt);   // (MMA, MMA_D, MMA_N)
+  // dQ's operands: dS and Kᵀ, or (kDqTransposed) Kᵀ and dS.
+  Tensor tQrdS = [&] {  // (MMA, MMA_M, MMA_N, buffer)
+    if constexpr (Tr::kDqTransposed) return wg_dq.partition_fragment_B(sdS);
+    else return wg_dq.partition_fragment_A(sdS);
+  }();
+  Tensor tQrKt = [&] {  // (MMA, MMA_D, MMA_N)
+    if constexpr (Tr::kDqTransposed) return wg_dq.partition_fragment_A(sKt);
+    else return wg_dq.partition_fragment_B(sKt);
+  }();
 
   Tensor acc_s = partition_fragment_C(mma_sdp, typename Tr::TileSt{});
   Tensor acc_dp = partition_fragment_C(mma_sdp, typename Tr::TileSt{});
   Tensor acc_dk = partition_fragment_C(mma_kv, typename Tr::TileKV{});
   Tensor acc_dv = partition_fragment_C(mma_kv, typename Tr::TileKV{});
-  Tensor acc_dq = partition_fragment_C(mma_dq, typename Tr::TileQ{});
+  Tensor acc_dq = partition_fragment_C(mma_dq, typename Tr::TileDqAcc{});
   Tensor rP = make_tensor<T>(acc_s.layout());
   Tensor rdS = make_tensor<T>(acc_dp.layout());
   Tensor tKVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
   Tensor tKVrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
   typename Tr::TiledMmaKVss mma_kv_ss;
-  Tensor tKVsdSt = mma_kv_ss.get_thread_slice(wg * 128).partition_fragment_A(sdSt);  // (MMA, MMA_N, MMA_M, buffer)
+  auto tKVsdSt = [&] {  // (MMA, MMA_N, MMA_M, buffer)
+    if constexpr (kDsFromSmem) return mma_kv_ss.get_thread_slice(wg * 128).partition_fragment_A(sdSt);
+    else return 0;  // dSᵀ stays in registers
+  }();
   clear(acc_dk);
   clear(acc_dv);
   // dSᵀ's accumulator stored as dS by stmatrix where it pays (fwd+bwd on an H100): at 128 query rows (d = 64)
   // the 32-bit stores' addresses spilled ~100 bytes and ran 7-13 % slower (deterministic mode too, 8-12 %,
   // once its dQ warps stopped holding the consumers back); at 64 rows (d = 128) stmatrix was 1.5-3 % slower.
-  constexpr bool kDsByStmatrix = kM == 128;
-  auto sts_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, mma_sdp);
+  // At 80 rows (dS key-contiguous) stmatrix transposes its 8x8 tiles.
+  constexpr bool kDsByStmatrix = kM == 128 || Tr::kDqTransposed;
+  auto sts_ds = make_tiled_copy_C(typename Tr::DsStoreAtom{}, mma_sdp);
   auto thr_sts_ds = sts_ds.get_thread_slice(mma_tid);
   Tensor tdSs = thr_sts_ds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, KEYS, QUERIES, buffer)
 
@@ -496,7 +513,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor dp_t = transposed(rowcol(acc_dp));
   constexpr int kQCols = decltype(size<0>(c_t))::value;
   Tensor dq_rc = rowcol(acc_dq);
-  Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileQ{})));
+  Tensor dq_c_rc = rowcol(thr_dq.partition_C(make_identity_tensor(typename Tr::TileDqAcc{})));
   // Where this warpgroup's dQ staging tile lies in the (kBlockM, d) tile (without kDqFlat).
   const int dq_row0 = Tr::kDqSplitRows ? wg * Tr::kDqRows : 0, dq_col0 = Tr::kDqSplitRows ? 0 : wg * Tr::kDqCols;
 
@@ -544,13 +561,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       CUTE_UNROLL
       for (int r = 0; r < kQCols; ++r) to[r] = from[get<1>(c_kq(0, r))];
     };
-    if constexpr (!kDsFromSmem) load_stats(ss.lse2[stage], lse2);
+    if constexpr (!kStatsAtUse) load_stats(ss.lse2[stage], lse2);
 
     warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
     if (softcap) softcap_scores(acc_s, p.scale, p.softcap);
     if (mask_always || m0 < full_rows_begin || m_end > full_rows_end)
       mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
-    if constexpr (kDsFromSmem) {  // one query's stat at a time: no registers held for all of them
+    if constexpr (kStatsAtUse) {
       CUTE_UNROLL
       for (int c = 0; c < kQCols; ++c) {
         const float l = ss.lse2[stage][get<1>(c_kq(0, c))];
@@ -578,7 +595,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       };
       if (softcap) drop_all(std::true_type{});
       else drop_all(std::false_type{});
-    } else if constexpr (kDsFromSmem) {
+    } else if constexpr (kStatsAtUse) {
       CUTE_UNROLL
       for (int c = 0; c < kQCols; ++c) {
         const float dl = ss.delta[stage][get<1>(c_kq(0, c))];
@@ -628,9 +645,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_fence_operand(rP);
     wgmma</*kZeroInit=*/false>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), acc_dv);
     // The reduce-add that read this block's dQ staging tile two blocks ago is done before anyone passes.
-    if (!kOrdered && releaser) tma_store_wait<1>();
+    if (!kOrdered && releaser) tma_store_wait<Tr::kDqBuffers - 1>();
     sync_consumers(kBarDs);  // both halves of dS written
-    wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
+    if constexpr (Tr::kDqTransposed) wgmma</*kZeroInit=*/true>(mma_dq, tQrKt, tQrdS(_, _, _, buf), acc_dq);
+    else wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
     if constexpr (kDsFromSmem) {
       wgmma</*kZeroInit=*/false>(mma_kv_ss, tKVsdSt(_, _, _, buf), tKVrQt(_, _, _, stage), acc_dk);
     } else {
@@ -704,8 +722,9 @@ __global__ void __launch_bounds__(Tr::kMmaThreads) flash_bwd_convert_dq(const __
   const int tid = threadIdx.x;
   const float* acc = flat_dq_tile<kD>(p.dq_accum, dims.seqlen_q, bh, m0);
   Tensor coord = typename Tr::TiledMmaDq{}.get_thread_slice(tid).partition_C(
-      make_identity_tensor(typename Tr::TileQ{}));
-  // Register order: 4v, 4v + 1 are adjacent columns of one row, 4v + 2, 4v + 3 the same columns 8 rows down.
+      make_identity_tensor(typename Tr::TileDqAcc{}));
+  // Register order: 4v, 4v + 1 are adjacent columns of one row, 4v + 2, 4v + 3 the same columns 8 rows down;
+  // rows are d and columns queries where dQ was computed transposed.
   const float4* mine = reinterpret_cast<const float4*>(acc + tid / 128 * Tr::kDqChunk) + tid % 128;
   CUTE_UNROLL
   for (int v = 0; v < size(coord) / 4; ++v) {
@@ -713,8 +732,14 @@ __global__ void __launch_bounds__(Tr::kMmaThreads) flash_bwd_convert_dq(const __
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int row = get<0>(coord(4 * v + 2 * h)), col = get<1>(coord(4 * v + 2 * h));
-      alignas(4) T pair[2] = {T((h ? a.z : a.x) * p.scale), T((h ? a.w : a.y) * p.scale)};
-      *reinterpret_cast<uint32_t*>(&tile[row * kPitch + col]) = *reinterpret_cast<const uint32_t*>(pair);
+      const T lo = T((h ? a.z : a.x) * p.scale), hi = T((h ? a.w : a.y) * p.scale);
+      if constexpr (Tr::kDqTransposed) {  // (d, query): the pair lies in two rows of the tile
+        tile[col * kPitch + row] = lo;
+        tile[(col + 1) * kPitch + row] = hi;
+      } else {
+        alignas(4) T pair[2] = {lo, hi};
+        *reinterpret_cast<uint32_t*>(&tile[row * kPitch + col]) = *reinterpret_cast<const uint32_t*>(pair);
+      }
     }
   }
   __syncthreads();

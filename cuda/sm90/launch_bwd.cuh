@@ -88,12 +88,14 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   auto launch = [&](auto x) -> cudaError_t {
     constexpr Extras kX = decltype(x)::value;
     constexpr bool kAlone = kX == Extras::kSoftcap || kX == Extras::kDropout;
-    // Without extras, the kernel's own tile (kBlockMPlain).
-    using TrX = std::conditional_t<kX == Extras::kNone, BwdTraitsOf<T, kHeadDim, /*kPlain=*/true>, Tr>;
+    // Without extras, the kernels' own tiles (kBlockMPlain, kBlockMOrdered).
+    using Cfg = BwdTileConfig<kHeadDim>;
+    using TrX = std::conditional_t<kX == Extras::kNone, BwdTraitsOf<T, kHeadDim, Cfg::kBlockMPlain>, Tr>;
+    using TrO = std::conditional_t<kX == Extras::kNone, BwdTraitsOf<T, kHeadDim, Cfg::kBlockMOrdered>, Tr>;
     if constexpr (Tr::kSplitD && kAlone) return cudaErrorNotSupported;  // never chosen: alone is false
     else if constexpr (Tr::kSplitD || kAlone) return launch_bwd_main<TrX, kX, false>(p, stream, device);
     else
-      return p.deterministic ? launch_bwd_main<TrX, kX, true>(p, stream, device)
+      return p.deterministic ? launch_bwd_main<TrO, kX, true>(p, stream, device)
                              : launch_bwd_main<TrX, kX, false>(p, stream, device);
   };
   using std::integral_constant;

@@ -41,20 +41,24 @@ struct NoTma {};
 template <int kHeadDim>
 struct BwdTileConfig;
 
-// kBlockMPlain: the query rows of the kernels without extras (Extras::kNone, deterministic or not); those with
-// extras keep kBlockM (dropout's keep bits are drawn for 64 queries). kStages: of Q, kStagesDo: of dO.
+// kBlockMPlain: the query rows of the kernels without extras (Extras::kNone), kBlockMOrdered those of their
+// deterministic ones; the kernels with extras keep kBlockM (dropout's keep bits are drawn for 64 queries).
+// kStages: of Q, kStagesDo: of dO.
 template <>
 struct BwdTileConfig<64> {
-  static constexpr int kBlockM = 64, kBlockMPlain = 128, kBlockN = 128, kStages = 2, kStagesDo = 2;
+  static constexpr int kBlockM = 64, kBlockMPlain = 128, kBlockMOrdered = 128, kBlockN = 128, kStages = 2,
+                       kStagesDo = 2;
 };
 template <>
 struct BwdTileConfig<128> {
-  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockN = 128, kStages = 2, kStagesDo = 2;
+  static constexpr int kBlockM = 64, kBlockMPlain = 80, kBlockMOrdered = 64, kBlockN = 128, kStages = 2,
+                       kStagesDo = 2;
 };
 // d = 256 (BwdSplitDTraits): one stage of dO, whose 32 KB stage dQ's staging takes instead.
 template <>
 struct BwdTileConfig<256> {
-  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockN = 64, kStages = 2, kStagesDo = 1;
+  static constexpr int kBlockM = 64, kBlockMPlain = 64, kBlockMOrdered = 64, kBlockN = 64, kStages = 2,
+                       kStagesDo = 1;
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_>
@@ -71,10 +75,12 @@ struct BwdTraits {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(kMmaWarpGroups == 2 && kProducerRegs + 2 * kConsumerRegs == 3 * 168,
                 "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
-  static_assert(kBlockM == 64 || kBlockM == 128);
+  static_assert(dq_accum_tiles_whole(kBlockM), "dq_accum_rows covers whole tiles of 64, 80 and 128 rows");
   // 128 query rows: dSᵀ leaves the registers (the A operand of dK from shared memory) and each row's LSE and
   // delta are read where used.
   static constexpr bool kDsFromSmem = kBlockM == 128;
+  // 80 query rows are no multiple of wgmma's M (64): dQᵀ = Kᵀ·dSᵀ instead, the warpgroups splitting d.
+  static constexpr bool kDqTransposed = kBlockM == 80;
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim_>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim_>>;
@@ -97,22 +103,30 @@ struct BwdTraits {
       AtomKeys{}));
   // dQ = dS·K: A is dS (query, key) stored query-contiguous, B is K read as (d, key), d contiguous. Two
   // warpgroups split dQ's kBlockM rows when there are 128, else its d columns.
+  // kDqTransposed: dQᵀ = Kᵀ·dSᵀ, A is K read as (d, key), B is dS (query, key) stored key-contiguous.
   static constexpr bool kDqSplitRows = kBlockM == 128;
-  using DqAtomShape = Shape<Int<64>, Int<kDqSplitRows ? kHeadDim_ : kHeadDim_ / 2>, Int<kBlockN>>;
-  using DqAtomLayout = std::conditional_t<kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using DqAtomShape = std::conditional_t<kDqTransposed, Shape<_64, Int<kBlockM>, Int<kBlockN>>,
+                                         Shape<_64, Int<kDqSplitRows ? kHeadDim_ : kHeadDim_ / 2>, Int<kBlockN>>>;
+  using DqAtomLayout = std::conditional_t<kDqSplitRows || kDqTransposed, Layout<Shape<_2, _1, _1>>,
+                                          Layout<Shape<_1, _2, _1>>>;
   using TiledMmaDq = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, DqAtomShape, GMMA::Major::MN, GMMA::Major::MN>(),
+      GMMA::ss_op_selector<Element, Element, float, DqAtomShape, GMMA::Major::MN,
+                           kDqTransposed ? GMMA::Major::K : GMMA::Major::MN>(),
       DqAtomLayout{}));
+  using TileDqAcc = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim_>, Int<kBlockM>>, TileQ>;
   // One warpgroup's part of dQ (fp32, kDqRows x kDqCols) is staged in shared memory and added into dq_accum.
   // kDqFlat (64 query rows): in the threads' register order, float4 v of thread t at (v·128 + t)·4 (16-byte
   // stores at fixed offsets, no bank conflicts, no swizzle arithmetic) and one bulk reduce-add of contiguous
   // bytes; dq_accum then holds each query tile in that order (flash_bwd_convert_dq undoes it). fwd+bwd measured
   // 3-4 % faster that way at d = 128, but 2-3 % slower in the 128-row kernels (d = 64), which keep 128-byte
   // swizzled rows and a TMA reduce-add into q's layout.
-  static constexpr bool kDqFlat = kBlockM == 64;
+  static constexpr bool kDqFlat = kBlockM != 128;
   static constexpr int kDqRows = kDqSplitRows ? 64 : kBlockM, kDqCols = kDqSplitRows ? kHeadDim_ : kHeadDim_ / 2;
   static constexpr int kDqChunk = kDqRows * kDqCols;
-  static_assert(kDqChunk % (4 * 128) == 0 && kDqAccumRowMultiple % kBlockM == 0);
+  // Staging tiles per consumer: two, so that one may still be read by the previous reduce-add; at 80 rows one
+  // (shared memory), which the next block's dQ takes once that add has read it.
+  static constexpr int kDqBuffers = kDqTransposed ? 1 : 2;
+  static_assert(kDqChunk % (4 * 128) == 0);
   using TileDq = Shape<Int<kDqRows>, Int<kDqCols>>;
   using SmemLayoutDq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, TileDq{}));
   static_assert(cosize_v<SmemLayoutDq> == kDqChunk);
@@ -127,9 +141,13 @@ struct BwdTraits {
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim_>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutDo = SmemLayoutQ;
   using SmemLayoutDot = SmemLayoutQt;
-  // dS (query, key, buffer), query contiguous; seen as (key, query, buffer) it takes the dSᵀ accumulator.
-  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // dS (query, key, buffer), query contiguous (key-contiguous for kDqTransposed, where dS is the B operand);
+  // seen as (key, query, buffer) it takes the dSᵀ accumulator.
+  using SmemLayoutdS = decltype(tile_to_shape(
+      std::conditional_t<kDqTransposed, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_MN_SW128_Atom<Element>>{},
+      Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // The dSᵀ accumulator's stores by stmatrix: 8x8 tiles as they are, or transposed into key-contiguous rows.
+  using DsStoreAtom = Copy_Atom<std::conditional_t<kDqTransposed, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>, Element>;
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
 
@@ -228,7 +246,7 @@ struct BwdSplitDTraits {
   static constexpr bool kDqFlat = true;
   static constexpr int kDqChunk = kBlockM * kHeadDim_ / 2;  // one warpgroup's columns of dQ
   static constexpr int kDqRounds = 2;                       // staged kDqChunk / kDqRounds floats at a time
-  static_assert(kDqChunk % (4 * 128 * kDqRounds) == 0 && kDqAccumRowMultiple % kBlockM == 0);
+  static_assert(kDqChunk % (4 * 128 * kDqRounds) == 0 && dq_accum_tiles_whole(kBlockM));
   using TmaDkv = decltype(make_tma_copy(SM90_TMA_STORE{}, typename FwdTraits<Element_, kHeadDim_>::GmemTensorOut{},
                                         SmemLayoutKV{}, TileKV{}, _1{}));
 
@@ -236,12 +254,10 @@ struct BwdSplitDTraits {
   static constexpr int kKVBytes = kBlockN * kHeadDim_ * int(sizeof(Element));
 };
 
-// The backward's traits of a head dim: the split-d kernel's past 128; kPlain: those of the kernels without
-// extras.
-template <class Element, int kHeadDim, bool kPlain = false>
-using BwdTraitsOf = std::conditional_t<
-    (kHeadDim > 128), BwdSplitDTraits<Element, kHeadDim>,
-    BwdTraits<Element, kHeadDim,
-              kPlain ? BwdTileConfig<kHeadDim>::kBlockMPlain : BwdTileConfig<kHeadDim>::kBlockM>>;
+// The backward's traits of a head dim: the split-d kernel's past 128; kBlockM: one of BwdTileConfig's query
+// tiles (a kernel without extras takes kBlockMPlain or, deterministic, kBlockMOrdered).
+template <class Element, int kHeadDim, int kBlockM = BwdTileConfig<kHeadDim>::kBlockM>
+using BwdTraitsOf = std::conditional_t<(kHeadDim > 128), BwdSplitDTraits<Element, kHeadDim>,
+                                       BwdTraits<Element, kHeadDim, kBlockM>>;
 
 }  // namespace jaxflash::sm90
