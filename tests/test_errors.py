@@ -185,7 +185,8 @@ def test_handler_rejects_bad_input(q, k, v, kwargs, match):
 
 @pytest.mark.parametrize("rows", [8, 64])
 def test_backward_handler_checks_the_dq_workspace(rows):
-    """dq_accum's rows are Sq rounded up to a multiple of 128 (the Hopper kernels add whole query tiles)."""
+    """dq_accum's rows are Sq rounded up to whole query tiles of 64, 80 and 128 rows (the Hopper kernels add whole
+    tiles)."""
     lead, sq = (2,), 8
     stat = jnp.zeros((2, 4, sq), jnp.float32)
     seg = (jnp.zeros(lead + (sq,), jnp.int32),) * 2
