@@ -199,6 +199,7 @@ struct BwdSplitDTraits {
   static_assert(kProducerRegs + 2 * kConsumerRegs == 3 * 168,
                 "setmaxnreg blocks forever when the warpgroups ask for more than the block's register budget");
   static_assert(kBlockM == 64 && kBlockN == 64, "dV and dK take all kBlockN keys as wgmma's M of 64");
+  static constexpr bool kDqTransposed = false;
 
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim_>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim_>>;
@@ -220,6 +221,7 @@ struct BwdSplitDTraits {
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim_ / 2>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomSplitN{}));
+  using TileDqAcc = TileQ;
 
   using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim_>());
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, TileKV{}));
