@@ -183,23 +183,25 @@ def test_handler_rejects_bad_input(q, k, v, kwargs, match):
         raw_fwd(q, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("rows", [8, 64])
-def test_backward_handler_checks_the_dq_workspace(rows):
+@pytest.mark.parametrize("sq,rows,want", [(8, 8, 128), (8, 64, 128), (1000, 1024, 1040)])
+def test_backward_handler_checks_the_dq_workspace(sq, rows, want):
     """dq_accum's rows are Sq rounded up to whole query tiles of 64, 80 and 128 rows (the Hopper kernels add whole
-    tiles)."""
-    lead, sq = (2,), 8
+    tiles): 1000 rows need 13 tiles of 80, more than 8 of 128."""
+    lead = (2,)
+    q, k = arr(2, sq, 4, 16), arr(2, sq, 2, 16)
+    assert _ffi._dq_accum_type(q).shape == (2, want, 4, 16)
     stat = jnp.zeros((2, 4, sq), jnp.float32)
     seg = (jnp.zeros(lead + (sq,), jnp.int32),) * 2
     lens = (jnp.zeros(lead, jnp.int32),) * 2
-    out_types = (jax.ShapeDtypeStruct(Q.shape, Q.dtype), jax.ShapeDtypeStruct(K.shape, K.dtype),
-                 jax.ShapeDtypeStruct(K.shape, K.dtype), jax.ShapeDtypeStruct((2, rows, 4, 16), jnp.float32),
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct((2, rows, 4, 16), jnp.float32),
                  jax.ShapeDtypeStruct(stat.shape, jnp.float32))
     kw = dict(scale=np.float32(1.0), softcap=np.float32(0.0), window_left=-1, window_right=-1, bottom_right=True,
               diagonal_shift=0, segment_ids=False, lengths=False, dropout_rate=np.float32(0), deterministic=False)
-    with pytest.raises(Exception, match=rf"jaxflash_bwd: dq_accum must have shape \[2, 128, 4, 16\]; got "
+    with pytest.raises(Exception, match=rf"jaxflash_bwd: dq_accum must have shape \[2, {want}, 4, 16\]; got "
                                         rf"\[2, {rows}, 4, 16\]"):
         jax.block_until_ready(jax.ffi.ffi_call("jaxflash_bwd", out_types)(
-            Q, Q, K, K, Q, stat, stat, *seg, *lens, jnp.zeros(lead + (5,), jnp.uint32), **kw))
+            q, q, k, k, q, stat, stat, *seg, *lens, jnp.zeros(lead + (5,), jnp.uint32), **kw))
 
 
 def test_module_built_for_a_newer_jax_is_refused_with_the_remedy():
