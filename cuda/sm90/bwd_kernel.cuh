@@ -12,9 +12,9 @@
 //   2 consumers:    64 keys each. Per query block: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (wgmma, operands in shared
 //                   memory), Pᵀ and dSᵀ element-wise in registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ, dSᵀ
 //                   straight from registers (dSᵀ from shared memory at 128 query rows: kDsFromSmem); dS to
-//                   shared memory, then dQ = dS·K over both consumers' keys.
+//                   shared memory, then dQ = dS·K over both consumers' keys (at 80 rows dQᵀ = Kᵀ·dSᵀ).
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
-//                   into the fp32 dq_accum (deterministic mode: the dQ warps do): at 64 query rows in
+//                   into the fp32 dq_accum (deterministic mode: the dQ warps do): at 64 and 80 query rows in
 //                   register order by a bulk reduce-add (flash_bwd_convert_dq, below, turns that into dq),
 //                   at 128 by a TMA reduce-add in q's layout (Tr::kDqFlat says why).
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.

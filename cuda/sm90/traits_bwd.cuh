@@ -12,13 +12,18 @@
 //          128 x 128 (kernels without extras, kBlockMPlain): dK+dV 64, S+dP 128, dQ 32, and dSᵀ as an A
 //          operand would take 32 more: dK += dSᵀ·Q reads dSᵀ from shared memory instead (kDsFromSmem).
 //          ptxas spills ~90 bytes; 8-11 % faster than 64 x 128 on an H100 (its producer no longer waits).
-//   d=128: 64 x 128: dK+dV 128, S+dP 64,  dQ 32  (of 240; ptxas spills ~90 bytes. 80 x 128, the
-//          FlashAttention-3 tile, with dQ transposed and dSᵀ from shared memory: 136 bytes, 14 % slower)
+//   d=128: 64 x 128 (kernels with extras, and deterministic ones): dK+dV 128, S+dP 64, dQ 32 (of 240; ptxas
+//          spills ~50 bytes)
+//          80 x 128 (the others, kBlockMPlain; FlashAttention-3's tile): dK+dV 128, S+dP 80, dQᵀ 40, each
+//          query's LSE and delta read where used (kStatsAtUse); 80 rows are no multiple of wgmma's M, so dQᵀ =
+//          Kᵀ·dSᵀ with dS stored key-contiguous by stmatrix.trans (kDqTransposed). ptxas spills ~50 bytes.
+//          An earlier 80-row try with dSᵀ read from shared memory spilled 136 bytes and ran 14 % slower.
 // Shared memory: K, V + kStages of Q and dO + 2 buffers of dS (the next block's dS is written while the other
-// warpgroup may still read this one) + 2 fp32 dQ staging tiles per consumer (one may still be read by the
-// previous reduce-add):
+// warpgroup may still read this one) + kDqBuffers fp32 dQ staging tiles per consumer (two: one may still be read
+// by the previous reduce-add):
 //   d=64 : 16+16 + 2·(8+8) + 2·16 + 2·16 = 128 KB, 128 rows: 16+16 + 2·(16+16) + 2·32 + 2·32 = 224 KB;
-//   d=128: 32+32 + 2·(16+16) + 2·16 + 2·32 = 224 KB
+//   d=128: 32+32 + 2·(16+16) + 2·16 + 2·32 = 224 KB, 80 rows with one staging tile: 32+32 + 2·(20+20) + 2·20 +
+//          40 = 224 KB
 #pragma once
 
 #include <cstdint>
@@ -115,7 +120,7 @@ struct BwdTraits {
       DqAtomLayout{}));
   using TileDqAcc = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim_>, Int<kBlockM>>, TileQ>;
   // One warpgroup's part of dQ (fp32, kDqRows x kDqCols) is staged in shared memory and added into dq_accum.
-  // kDqFlat (64 query rows): in the threads' register order, float4 v of thread t at (v·128 + t)·4 (16-byte
+  // kDqFlat (64 and 80 query rows): in the threads' register order, float4 v of thread t at (v·128 + t)·4 (16-byte
   // stores at fixed offsets, no bank conflicts, no swizzle arithmetic) and one bulk reduce-add of contiguous
   // bytes; dq_accum then holds each query tile in that order (flash_bwd_convert_dq undoes it). fwd+bwd measured
   // 3-4 % faster that way at d = 128, but 2-3 % slower in the 128-row kernels (d = 64), which keep 128-byte
