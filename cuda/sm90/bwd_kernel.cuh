@@ -385,9 +385,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutdSt{});
 
-  // Consumer g's two dQ staging tiles, and the reduce-add of one into dq_accum: kDqFlat, at flat_dq_tile; else
-  // in q's layout, where TMA drops rows past the tensor (rows past q_len hold zeros).
-  auto dq_staged = [&](int g, int b) { return ss.dq.data() + (Tr::kDqBuffers * g + b % Tr::kDqBuffers) * Tr::kDqChunk; };
+  // Consumer g's dQ staging tiles (kDqBuffers; b counts blocks), and the reduce-add of one into dq_accum: kDqFlat,
+  // at flat_dq_tile; else in q's layout, where TMA drops rows past the tensor (rows past q_len hold zeros).
+  auto dq_staged = [&](int g, int b) {
+    return ss.dq.data() + (Tr::kDqBuffers * g + b % Tr::kDqBuffers) * Tr::kDqChunk;
+  };
   auto dq_staging = [&](int g, int b) {
     return make_tensor(make_smem_ptr(dq_staged(g, b)), typename Tr::SmemLayoutDq{});
   };
@@ -644,7 +646,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
     warpgroup_fence_operand(rP);
     wgmma</*kZeroInit=*/false>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), acc_dv);
-    // The reduce-add that read this block's dQ staging tile two blocks ago is done before anyone passes.
+    // The reduce-add that last read this block's dQ staging tile (kDqBuffers blocks ago) has read it before
+    // anyone passes.
     if (!kOrdered && releaser) tma_store_wait<Tr::kDqBuffers - 1>();
     sync_consumers(kBarDs);  // both halves of dS written
     if constexpr (Tr::kDqTransposed) wgmma</*kZeroInit=*/true>(mma_dq, tQrKt, tQrdS(_, _, _, buf), acc_dq);
