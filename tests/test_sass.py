@@ -103,12 +103,14 @@ def test_sm90_backward_kernels_use_wgmma_tma_and_setmaxnreg():
         assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, f"{name}: no setmaxnreg"
         assert "BPT.TRAP" not in body, f"{name}: a trap (built for sm_90 instead of sm_90a?)"
     for name, body in kernels.items():
-        # dQ: one bulk reduce-add of a register-order tile at 64 query rows, a TMA reduce-add at 128.
+        # dQ: one bulk reduce-add of a register-order tile at 64 and 80 query rows, a TMA reduce-add at 128.
         rows = int(re.search(r"ELi\d+ELi(\d+)EEELNS0_6Extras", name).group(1))
-        if rows == 64:
+        if rows in (64, 80):
             assert "UBLKRED.G.S.ADD.F32" in body, f"{name}: no bulk reduce-add of dQ"
         else:
             assert "UTMAREDG" in body, f"{name}: no TMA reduce-add of dQ"
+        if rows == 80:  # dS stored transposed by stmatrix, for dQᵀ = Kᵀ·dSᵀ
+            assert "STSM.16.MT88" in body, f"{name}: no transposing stmatrix of dS"
         if name in ordered:  # the turn counters: an acquire load (the wait) and a release store (the pass)
             assert "LDG.E.STRONG.GPU" in body and "STG.E.STRONG.GPU" in body, f"{name}: no turn counters"
         # Sᵀ, dPᵀ and dQ with both operands in shared memory; dV and dK with Pᵀ, dSᵀ from registers.
