@@ -351,6 +351,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const bool dropout = kX == Extras::kDropout || (kAll && p.dropout.rate > 0.f);
   const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kAll, kOrdered>(p, kp.order, ss.scratch);
   constexpr bool kStatsOnFull = !kOrdered;  // init_bwd_barriers says why
+  // The producer warpgroup's second warp adds the consumers' staged dQ into dq_accum (the consumers arrive and
+  // go on instead of waiting for each other and issuing the add).
+  constexpr bool kDqWriter = !kOrdered && Tr::kDqTransposed;
   const int64_t n_block = w.n_block, batch = w.batch;
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
@@ -439,6 +442,24 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
         for (int g = 0; g < kWG; ++g) pass_turn(turn(g), int(n_block) + 1);
       }
       return;
+    }
+    if constexpr (kDqWriter) {
+      if (tid / 32 == 1 && n_iters > 0) {
+        const int lane = tid % 32;
+        for (int g = 0; g < kWG; ++g) NamedBarrier::arrive(128 + 32, BwdBar::kDqEmpty + g);  // staging free
+        KvBlockWork::Cursor cur = w.first();
+        for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+          for (int g = 0; g < kWG; ++g) {
+            NamedBarrier::sync(128 + 32, BwdBar::kDqFull + g);
+            if (lane == 0) reduce_add_dq(g, 0, cur.head, cur.m_block * kM);
+          }
+          if (lane == 0) tma_store_wait<0>();  // both tiles read
+          __syncwarp();
+          if (it + 1 < n_iters)
+            for (int g = 0; g < kWG; ++g) NamedBarrier::arrive(128 + 32, BwdBar::kDqEmpty + g);
+        }
+        return;
+      }
     }
     if (tid < 32 && n_iters > 0) produce_bwd<Tr>(kp, ss, w, tid);
     if (tid / 32 == 2 && n_iters > 0) ready_stats<Tr, kStatsOnFull>(kp, ss, w, tid % 32);
@@ -647,8 +668,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_fence_operand(rP);
     wgmma</*kZeroInit=*/false>(mma_kv, tKVrP, tKVrdOt(_, _, _, stage), acc_dv);
     // The reduce-add that last read this block's dQ staging tile (kDqBuffers blocks ago) has read it before
-    // anyone passes.
-    if (!kOrdered && releaser) tma_store_wait<Tr::kDqBuffers - 1>();
+    // anyone passes; with a writer warp, the writer waits for it instead.
+    if (!kOrdered && !kDqWriter && releaser) tma_store_wait<Tr::kDqBuffers - 1>();
     sync_consumers(kBarDs);  // both halves of dS written
     if constexpr (Tr::kDqTransposed) wgmma</*kZeroInit=*/true>(mma_dq, tQrKt, tQrdS(_, _, _, buf), acc_dq);
     else wgmma</*kZeroInit=*/true>(mma_dq, tQrdS(_, _, _, buf), tQrKt, acc_dq);
@@ -664,6 +685,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     ClusterBarrier::arrive(&ss.do_empty[stage]);
     // dQ into this block's staging tile (deterministic mode: once its buffer's dQ warp has let it go).
     if (kOrdered && it >= 2) ClusterBarrier::wait(&ss.dq_empty[buf][wg], uint32_t(((it >> 1) - 1) & 1));
+    if constexpr (kDqWriter) NamedBarrier::sync(128 + 32, BwdBar::kDqEmpty + wg);  // the last tile read
     if constexpr (Tr::kDqFlat) {
       float4* staged = reinterpret_cast<float4*>(dq_staged(wg, buf)) + mma_tid % 128;
       CUTE_UNROLL
@@ -696,6 +718,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     cutlass::arch::fence_view_async_shared();
     if constexpr (kOrdered) {
       ClusterBarrier::arrive(&ss.dq_full[buf][wg]);
+    } else if constexpr (kDqWriter) {
+      NamedBarrier::arrive(128 + 32, BwdBar::kDqFull + wg);
     } else {
       NamedBarrier::sync(128, kBarDqFull + wg);
       if (releaser) reduce_add_dq(wg, buf, head, m0);
@@ -705,7 +729,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     ClusterBarrier::arrive(&ss.q_empty[stage]);
   }
 
-  if (!kOrdered && releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
+  if (!kOrdered && !kDqWriter && releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
 
   store_dkdv<Tr>(kp, ss, w, rowcol(acc_dk), rowcol(acc_dv), thr_kv, mma_tid);
 }
