@@ -14,10 +14,13 @@
 //                   straight from registers (dSᵀ from shared memory at 128 query rows: kDsFromSmem); dS to
 //                   shared memory, then dQ = dS·K over both consumers' keys (at 80 rows dQᵀ = Kᵀ·dSᵀ).
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
-//                   into the fp32 dq_accum (deterministic mode: the dQ warps do): at 64 and 80 query rows in
-//                   register order by a bulk reduce-add (flash_bwd_convert_dq, below, turns that into dq),
-//                   at 128 by a TMA reduce-add in q's layout (Tr::kDqFlat says why).
+//                   into the fp32 dq_accum (80 rows: the dQ writer does; deterministic mode: the dQ warps):
+//                   at 64 and 80 query rows in register order by a bulk reduce-add (flash_bwd_convert_dq,
+//                   below, turns that into dq), at 128 by a TMA reduce-add in q's layout (Tr::kDqFlat says why).
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
+//   dQ writer:      80-row kernels (the producer warpgroup's second warp): takes each consumer's staged dQ at a
+//                   named barrier and issues its reduce-add, so the consumers wait neither for each other nor
+//                   for the add's read of the tile (kDqWriter).
 //   dQ warps:       deterministic mode only (the producer warpgroup's second and fourth warps), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
 // (keep_bits_transposed: one 32-bit mask per thread). Which extras a kernel holds is its Extras argument.
@@ -120,9 +123,9 @@ __forceinline__ __device__ void zero_rows(TensorS&& s, int row_begin, int row_en
         make_uint4(0, 0, 0, 0);
 }
 
-// Named barriers of the consumers; kDqFull and kDqEmpty + the consumer's index. cutlass::arch::NamedBarrier
-// adds 8 to each (the hardware ids below 8 are its collectives'), so these must stay below 8: 8 itself was
-// hardware barrier 16, which does not exist (ptxas encoded it as barrier 0, __syncthreads').
+// Named barriers of the consumers (and the dQ writer); kDqFull and kDqEmpty + the consumer's index.
+// cutlass::arch::NamedBarrier adds 8 to each (the hardware ids below 8 are its collectives'), so these must stay
+// below 8: 8 itself was hardware barrier 16, which does not exist (ptxas encoded it as barrier 0, __syncthreads').
 struct BwdBar {
   static constexpr uint32_t kEpilogue = 1, kShared = 2, kZeroed = 3, kDqFull = 4, kDqEmpty = 6;
   static_assert(kDqEmpty + 2 <= 8, "NamedBarrier's ids 0-7 are hardware barriers 8-15");
