@@ -14,21 +14,23 @@
 //                   straight from registers (dSᵀ from shared memory at 128 query rows: kDsFromSmem); dS to
 //                   shared memory, then dQ = dS·K over both consumers' keys (at 80 rows dQᵀ = Kᵀ·dSᵀ).
 //                   Each consumer stages its part of dQ in shared memory and one of its threads adds it
-//                   into the fp32 dq_accum (80 rows: the dQ writer does; deterministic mode: the dQ warps):
+//                   into the fp32 dq_accum (80 rows: the dQ writer does; deterministic 64 rows: the dQ warps):
 //                   at 64 and 80 query rows in register order by a bulk reduce-add (flash_bwd_convert_dq,
 //                   below, turns that into dq), at 128 by a TMA reduce-add in q's layout (Tr::kDqFlat says why).
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
 //   dQ writer:      80-row kernels (the producer warpgroup's second warp): takes each consumer's staged dQ at a
 //                   named barrier and issues its reduce-add, so the consumers wait neither for each other nor
-//                   for the add's read of the tile (kDqWriter).
-//   dQ warps:       deterministic mode only (the producer warpgroup's second and fourth warps), below.
+//                   for the add's read of the tile (kDqWriter); in deterministic mode it also waits for each
+//                   add's turn and passes the turns once its adds completed.
+//   dQ warps:       deterministic mode at 64 rows (the producer warpgroup's second and fourth warps), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
 // (keep_bits_transposed: one 32-bit mask per thread). Which extras a kernel holds is its Extras argument.
 // Deterministic mode adds into each query block's rows of dq_accum in n_block order: a turn counter per (batch,
 // query head, query block, consumer) says which K/V block adds next. A dQ warp takes each staged tile, waits
 // for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits the
-// consumers no longer make (when they waited themselves, the backward took +62 % rather than +30 %). Two dQ
-// warps, one per staging buffer, so that one adds while the other waits for its adds to complete.
+// consumers no longer make (when they waited themselves, the backward took +62 % rather than +30 %). At 64 rows
+// two dQ warps, one per staging buffer, so that one adds while the other waits for its adds to complete; at 80
+// rows (one staging tile per consumer) the dQ writer lets the tiles go once read, then waits for the adds.
 // kv_block_work orders the blocks so that a block waits only for its predecessor, launched before it. Segment
 // ids are not taken then (the handler runs the sm80 backward).
 // Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
@@ -349,14 +351,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   // registers for the larger tiles' accumulators.
   constexpr bool kStatsAtUse = kDsFromSmem || Tr::kDqTransposed;
   static_assert(!kStatsAtUse || kX == Extras::kNone, "the extras' rules take the stats from registers");
-  static_assert(!kOrdered || Tr::kDqBuffers == 2, "deterministic mode's two dQ warps take a staging tile each");
+  // The producer warpgroup's second warp adds the consumers' staged dQ into dq_accum (the consumers arrive and
+  // go on instead of waiting for each other and issuing the add).
+  constexpr bool kDqWriter = Tr::kDqTransposed;
+  constexpr bool kDqWarps = kOrdered && !kDqWriter;  // deterministic mode's two dQ warps
+  static_assert(!kDqWarps || Tr::kDqBuffers == 2, "deterministic mode's two dQ warps take a staging tile each");
   const bool softcap = kX == Extras::kSoftcap || (kAll && p.softcap > 0.f);
   const bool dropout = kX == Extras::kDropout || (kAll && p.dropout.rate > 0.f);
   const KvBlockWork w = kv_block_work<kM, kN, Tr::kNThreads, kAll, kOrdered>(p, kp.order, ss.scratch);
   constexpr bool kStatsOnFull = !kOrdered;  // init_bwd_barriers says why
-  // The producer warpgroup's second warp adds the consumers' staged dQ into dq_accum (the consumers arrive and
-  // go on instead of waiting for each other and issuing the add).
-  constexpr bool kDqWriter = !kOrdered && Tr::kDqTransposed;
   const int64_t n_block = w.n_block, batch = w.batch;
   const int64_t n0 = w.n0, n_end = w.n_end, n_valid_end = w.n_valid_end, n_iters = w.n_iters;
   const BatchMask& bm = w.bm;
@@ -367,7 +370,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   if (tid == 0) {
     if (dropout) ss.draw = dropout_draw(p.dropout, batch);
     init_bwd_barriers<Tr, kStatsOnFull>(ss);
-    if constexpr (kOrdered) {
+    if constexpr (kDqWarps) {
       CUTE_UNROLL
       for (int b = 0; b < 2; ++b) {
         CUTE_UNROLL
@@ -415,34 +418,37 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     }
     tma_store_arrive();
   };
+  // Deterministic mode: consumer g's turn counter of a query block, and whether the block waits for its turn
+  // there (the previous K/V block adds first where it visits that query block too).
+  auto turn = [&](int64_t head, int64_t m_block, int g) {
+    const int64_t m_blocks = (seqlen_q + kM - 1) / kM;
+    return static_cast<int*>(p.dq) + ((batch * dims.heads_q + head) * m_blocks + m_block) * kWG + g;
+  };
+  auto waits_turn = [&](int64_t m_block) { return w.pred_m_begin <= m_block && m_block < w.pred_m_end; };
 
   if (warp_group == 0) {
     // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (kOrdered && tid % 64 == 32 && n_iters > 0) {
+    if (kDqWarps && tid % 64 == 32 && n_iters > 0) {
       // ---- dQ warps (deterministic mode; lane 0 of warps 1 and 3): per query block, each consumer's staged
       // tile in turn order. Warp 1 takes the even blocks (staging buffer 0), warp 3 the odd ones (buffer 1): a
       // warp waits for its adds to complete before passing their turns, and meanwhile the other one adds.
       const int b = tid / 64;
-      const int64_t m_blocks = (seqlen_q + kM - 1) / kM;
       KvBlockWork::Cursor cur = w.first();
       if (b == 1) w.advance(cur);
       for (int64_t it = b; it < n_iters; it += 2, w.advance(cur), w.advance(cur)) {
         const int64_t head = cur.head, m_block = cur.m_block;
         const uint32_t parity = uint32_t((it >> 1) & 1);
-        auto turn = [&](int g) {
-          return static_cast<int*>(p.dq) + ((batch * dims.heads_q + head) * m_blocks + m_block) * kWG + g;
-        };
-        const bool waits = w.pred_m_begin <= m_block && m_block < w.pred_m_end;  // the previous block adds first
+        const bool waits = waits_turn(m_block);
         for (int g = 0; g < kWG; ++g) {
           ClusterBarrier::wait(&ss.dq_full[b][g], parity);
-          if (waits) wait_turn(turn(g), int(n_block));
+          if (waits) wait_turn(turn(head, m_block, g), int(n_block));
           reduce_add_dq(g, b, head, m_block * kM);
         }
         tma_store_wait<0>();  // both tiles read: the consumers may stage into them again
         for (int g = 0; g < kWG; ++g) ClusterBarrier::arrive(&ss.dq_empty[b][g]);
         bulk_wait_performed<0>();  // the adds performed: the turns pass on
-        for (int g = 0; g < kWG; ++g) pass_turn(turn(g), int(n_block) + 1);
+        for (int g = 0; g < kWG; ++g) pass_turn(turn(head, m_block, g), int(n_block) + 1);
       }
       return;
     }
@@ -452,14 +458,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
         for (int g = 0; g < kWG; ++g) NamedBarrier::arrive(128 + 32, BwdBar::kDqEmpty + g);  // staging free
         KvBlockWork::Cursor cur = w.first();
         for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+          const bool waits = kOrdered && waits_turn(cur.m_block);
           for (int g = 0; g < kWG; ++g) {
             NamedBarrier::sync(128 + 32, BwdBar::kDqFull + g);
-            if (lane == 0) reduce_add_dq(g, 0, cur.head, cur.m_block * kM);
+            if (lane == 0) {
+              if (waits) wait_turn(turn(cur.head, cur.m_block, g), int(n_block));
+              reduce_add_dq(g, 0, cur.head, cur.m_block * kM);
+            }
           }
           if (lane == 0) tma_store_wait<0>();  // both tiles read
           __syncwarp();
           if (it + 1 < n_iters)
             for (int g = 0; g < kWG; ++g) NamedBarrier::arrive(128 + 32, BwdBar::kDqEmpty + g);
+          if (kOrdered && lane == 0) {  // the adds performed (while the consumers go on): the turns pass on
+            bulk_wait_performed<0>();
+            for (int g = 0; g < kWG; ++g) pass_turn(turn(cur.head, cur.m_block, g), int(n_block) + 1);
+          }
         }
         return;
       }
@@ -552,16 +566,22 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   const bool mask_always = segments || n0 + kN > bm.kv_len;
   int64_t full_rows_begin, full_rows_end;
   fully_visible_query_range(bm.m, n0, n0 + kN, &full_rows_begin, &full_rows_end);
-  full_rows_end = cute::min(full_rows_end, bm.q_len);
+  full_rows_end = cute::min(full_rows_end, bm.q_len);  // rows past q_len are zeroed where masked
+  auto needs_mask = [&](int64_t m0, int64_t m_end) {
+    return mask_always || m0 < full_rows_begin || m_end > full_rows_end;
+  };
   if (n_iters > 0) {
     ClusterTransactionBarrier::wait(&ss.kv_full, 0);
     // Keys past kv_len inside the tensor.
     if (n_valid_end < n_end) zero_tails<Tr>(sK, sV, int(n_valid_end - n0), int(n_end - n0), mma_tid);
   }
 
-  KvBlockWork::Cursor cur = w.first();
-  for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
-    const int64_t head = cur.head, m_block = cur.m_block;
+  // One query block. by_key: whether this copy holds the per-key mask (and the zeroing of query rows past
+  // q_len, which only such blocks have). The kernels of one extra or none run a copy without it for the blocks
+  // that need no mask: with the mask's code in the loop, ptxas spilled there (d = 128: 616 instructions in the
+  // loop with spills, 402 without).
+  auto step = [&](int64_t it, int64_t head, int64_t m_block, auto by_key) {
+    constexpr bool kByKey = decltype(by_key)::value;
     const int64_t m0 = m_block * kM;
     const int64_t m_end = cute::min(m0 + int64_t(kM), seqlen_q);
     const int stage = stage_of(it), buf = int(it & 1);
@@ -574,7 +594,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       ClusterBarrier::wait(&ss.do_ready[stage], parity);
     }
     const int64_t q_valid_end = cute::min(m_end, bm.q_len);
-    if (q_valid_end < m_end)  // query rows past q_len inside the tensor
+    if (kByKey && q_valid_end < m_end)  // query rows past q_len inside the tensor
       zero_tails<Tr>(sQ(_, _, stage), sdO(_, _, stage), int(q_valid_end - m0), int(m_end - m0), mma_tid);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
     wgmma</*kZeroInit=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), acc_dp);
@@ -591,8 +611,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
     warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
     if (softcap) softcap_scores(acc_s, p.scale, p.softcap);
-    if (mask_always || m0 < full_rows_begin || m_end > full_rows_end)
-      mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
+    if (kByKey && needs_mask(m0, m_end)) mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
     if constexpr (kStatsAtUse) {
       CUTE_UNROLL
       for (int c = 0; c < kQCols; ++c) {
@@ -642,28 +661,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     Tensor rdS_rc = rowcol(rdS);
     if constexpr (kDsByStmatrix) {
       copy(sts_ds, thr_sts_ds.retile_S(rdS), tdSs(_, _, _, buf));
-    } else if constexpr (kM != 64) {  // two swizzle rows: each pair's address from the layout
+    } else {
+      static_assert(kM == 64, "other tiles store dS by stmatrix");
       CUTE_UNROLL
       for (int r = 0; r < size<0>(rdS_rc); ++r) {
         int key = get<0>(c_kq(r, 0));
-        asm volatile("" : "+r"(key));
-        int q0 = get<1>(c_kq(0, 0));  // opaque too, so that no address is held across the loop
-        asm volatile("" : "+r"(q0));
+        asm volatile("" : "+r"(key));  // addresses recomputed here, not hoisted into registers
+        const uint32_t addr0 = cast_smem_ptr_to_uint(&sdSt(key, get<1>(c_kq(r, 0)), buf));
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(rdS_rc); c += 2)
-          *reinterpret_cast<uint32_t*>(&sdSt(key, q0 + (get<1>(c_kq(r, c)) - get<1>(c_kq(0, 0))), buf)) =
-              *reinterpret_cast<const uint32_t*>(&rdS_rc(r, c));
-      }
-    } else
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(rdS_rc); ++r) {
-      int key = get<0>(c_kq(r, 0));
-      asm volatile("" : "+r"(key));  // addresses recomputed here, not hoisted into registers
-      const uint32_t addr0 = cast_smem_ptr_to_uint(&sdSt(key, get<1>(c_kq(r, 0)), buf));
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(rdS_rc); c += 2) {
-        const uint32_t pair = *reinterpret_cast<const uint32_t*>(&rdS_rc(r, c));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr0 ^ uint32_t((c / 2) << 4)), "r"(pair));
+        for (int c = 0; c < size<1>(rdS_rc); c += 2) {
+          const uint32_t pair = *reinterpret_cast<const uint32_t*>(&rdS_rc(r, c));
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr0 ^ uint32_t((c / 2) << 4)), "r"(pair));
+        }
       }
     }
     cutlass::arch::fence_view_async_shared();
@@ -687,7 +696,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_fence_operand(rP);
     ClusterBarrier::arrive(&ss.do_empty[stage]);
     // dQ into this block's staging tile (deterministic mode: once its buffer's dQ warp has let it go).
-    if (kOrdered && it >= 2) ClusterBarrier::wait(&ss.dq_empty[buf][wg], uint32_t(((it >> 1) - 1) & 1));
+    if (kDqWarps && it >= 2) ClusterBarrier::wait(&ss.dq_empty[buf][wg], uint32_t(((it >> 1) - 1) & 1));
     if constexpr (kDqWriter) NamedBarrier::sync(128 + 32, BwdBar::kDqEmpty + wg);  // the last tile read
     if constexpr (Tr::kDqFlat) {
       float4* staged = reinterpret_cast<float4*>(dq_staged(wg, buf)) + mma_tid % 128;
@@ -719,7 +728,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
       }
     }
     cutlass::arch::fence_view_async_shared();
-    if constexpr (kOrdered) {
+    if constexpr (kDqWarps) {
       ClusterBarrier::arrive(&ss.dq_full[buf][wg]);
     } else if constexpr (kDqWriter) {
       NamedBarrier::arrive(128 + 32, BwdBar::kDqFull + wg);
@@ -730,6 +739,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
     warpgroup_wait<0>();
     if constexpr (!kDsFromSmem) warpgroup_fence_operand(rdS);
     ClusterBarrier::arrive(&ss.q_empty[stage]);
+  };
+  KvBlockWork::Cursor cur = w.first();
+  for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
+    const int64_t m0 = cur.m_block * kM, m_end = cute::min(m0 + int64_t(kM), seqlen_q);
+    if (kAll || needs_mask(m0, m_end)) step(it, cur.head, cur.m_block, std::true_type{});
+    else step(it, cur.head, cur.m_block, std::false_type{});
   }
 
   if (!kOrdered && !kDqWriter && releaser) tma_store_wait<0>();  // the last reduce-add has read its staging tile
