@@ -420,8 +420,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   };
   // Deterministic mode: consumer g's turn counter of a query block, and whether the block waits for its turn
   // there (the previous K/V block adds first where it visits that query block too).
+  const int64_t m_blocks = kOrdered ? (seqlen_q + kM - 1) / kM : 0;
   auto turn = [&](int64_t head, int64_t m_block, int g) {
-    const int64_t m_blocks = (seqlen_q + kM - 1) / kM;
     return static_cast<int*>(p.dq) + ((batch * dims.heads_q + head) * m_blocks + m_block) * kWG + g;
   };
   auto waits_turn = [&](int64_t m_block) { return w.pred_m_begin <= m_block && m_block < w.pred_m_end; };
@@ -611,7 +611,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
     warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
     if (softcap) softcap_scores(acc_s, p.scale, p.softcap);
-    if (kByKey && needs_mask(m0, m_end)) mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
+    // The loop below decided it (kAll takes this copy for every block and decides here).
+    if (kByKey && (!kAll || needs_mask(m0, m_end))) mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
     if constexpr (kStatsAtUse) {
       CUTE_UNROLL
       for (int c = 0; c < kQCols; ++c) {

@@ -13,9 +13,9 @@
 //          operand would take 32 more: dK += dSᵀ·Q reads dSᵀ from shared memory instead (kDsFromSmem).
 //          ptxas spills ~90 bytes; 8-11 % faster than 64 x 128 on an H100 (its producer no longer waits).
 //   d=128: 64 x 128 (kernels with extras): dK+dV 128, S+dP 64, dQ 32 (of 240; ptxas spills ~50 bytes)
-//          80 x 128 (without extras, deterministic too; FlashAttention-3's tile): dK+dV 128, S+dP 80, dQᵀ 40, each
-//          query's LSE and delta read where used (kStatsAtUse); 80 rows are no multiple of wgmma's M, so dQᵀ =
-//          Kᵀ·dSᵀ with dS stored key-contiguous by stmatrix.trans (kDqTransposed). ptxas spills ~50 bytes.
+//          80 x 128 (without extras, deterministic too; FlashAttention-3's tile): dK+dV 128, S+dP 80, dQᵀ 40,
+//          each query's LSE and delta read where used (kStatsAtUse); 80 rows are no multiple of wgmma's M, so
+//          dQᵀ = Kᵀ·dSᵀ with dS stored key-contiguous by stmatrix.trans (kDqTransposed). ptxas spills ~50 bytes.
 //          An earlier 80-row try with dSᵀ read from shared memory spilled 136 bytes and ran 14 % slower.
 // Shared memory: K, V + kStages of Q and dO + 2 buffers of dS (the next block's dS is written while the other
 // warpgroup may still read this one) + kDqBuffers fp32 dQ staging tiles per consumer (two: one may still be read
