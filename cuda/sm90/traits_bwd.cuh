@@ -12,11 +12,14 @@
 //          128 x 128 (kernels without extras, kBlockMPlain): dK+dV 64, S+dP 128, dQ 32, and dSᵀ as an A
 //          operand would take 32 more: dK += dSᵀ·Q reads dSᵀ from shared memory instead (kDsFromSmem).
 //          ptxas spills ~90 bytes; 8-11 % faster than 64 x 128 on an H100 (its producer no longer waits).
-//   d=128: 64 x 128 (kernels with extras): dK+dV 128, S+dP 64, dQ 32 (of 240; ptxas spills ~50 bytes)
-//          80 x 128 (without extras, deterministic too; FlashAttention-3's tile): dK+dV 128, S+dP 80, dQᵀ 40,
-//          each query's LSE and delta read where used (kStatsAtUse); 80 rows are no multiple of wgmma's M, so
-//          dQᵀ = Kᵀ·dSᵀ with dS stored key-contiguous by stmatrix.trans (kDqTransposed). ptxas spills ~50 bytes.
+//   d=128: 64 x 128 (kernels with extras, and deterministic ones): dK+dV 128, S+dP 64, dQ 32 (of 240; ptxas
+//          spills ~50 bytes)
+//          80 x 128 (the others, kBlockMPlain; FlashAttention-3's tile): dK+dV 128, S+dP 80, dQᵀ 40, each
+//          query's LSE and delta read where used (kStatsAtUse); 80 rows are no multiple of wgmma's M, so dQᵀ =
+//          Kᵀ·dSᵀ with dS stored key-contiguous by stmatrix.trans (kDqTransposed). ptxas spills ~50 bytes.
 //          An earlier 80-row try with dSᵀ read from shared memory spilled 136 bytes and ran 14 % slower.
+//          Deterministic at 80 rows (the dQ writer keeps the turns) is correct but cost +15-20 % against the
+//          plain kernel, where 64 rows cost +10-14 % (H100).
 // Shared memory: K, V + kStages of Q and dO + 2 buffers of dS (the next block's dS is written while the other
 // warpgroup may still read this one) + kDqBuffers fp32 dQ staging tiles per consumer (two: one may still be read
 // by the previous reduce-add):
@@ -55,7 +58,7 @@ struct BwdTileConfig<64> {
 };
 template <>
 struct BwdTileConfig<128> {
-  static constexpr int kBlockM = 64, kBlockMPlain = 80, kBlockMOrdered = 80, kBlockN = 128, kStages = 2,
+  static constexpr int kBlockM = 64, kBlockMPlain = 80, kBlockMOrdered = 64, kBlockN = 128, kStages = 2,
                        kStagesDo = 2;
 };
 // d = 256 (BwdSplitDTraits): one stage of dO, whose 32 KB stage dQ's staging takes instead.
