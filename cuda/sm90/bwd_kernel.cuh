@@ -577,9 +577,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   }
 
   // One query block. by_key: whether this copy holds the per-key mask (and the zeroing of query rows past
-  // q_len, which only such blocks have). The kernels of one extra or none run a copy without it for the blocks
-  // that need no mask: with the mask's code in the loop, ptxas spilled there (d = 128: 616 instructions in the
-  // loop with spills, 402 without).
+  // q_len, which only such blocks have). The kernels without extras or with dropout alone run a copy without it
+  // for the blocks that need no mask: with the mask's code in the loop, ptxas spilled there (d = 128: 616
+  // instructions in the loop with spills, 402 without). Softcap alone kept spills in both copies and measured
+  // slower than with one copy; it keeps one, as the kernel of all extras does, which decides inside.
+  constexpr bool kOneCopy = kAll || kX == Extras::kSoftcap;
   auto step = [&](int64_t it, int64_t head, int64_t m_block, auto by_key) {
     constexpr bool kByKey = decltype(by_key)::value;
     const int64_t m0 = m_block * kM;
@@ -611,8 +613,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 
     warpgroup_wait<1>();  // Sᵀ landed; dPᵀ still running
     if (softcap) softcap_scores(acc_s, p.scale, p.softcap);
-    // The loop below decided it (kAll takes this copy for every block and decides here).
-    if (kByKey && (!kAll || needs_mask(m0, m_end))) mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
+    // The loop below decided it (kOneCopy kernels take this copy for every block and decide here).
+    if (kByKey && (!kOneCopy || needs_mask(m0, m_end))) mask_scores_by_key<kM, kAll>(s_kq, c_kq, bm, n0, m0);
     if constexpr (kStatsAtUse) {
       CUTE_UNROLL
       for (int c = 0; c < kQCols; ++c) {
@@ -744,7 +746,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   KvBlockWork::Cursor cur = w.first();
   for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
     const int64_t m0 = cur.m_block * kM, m_end = cute::min(m0 + int64_t(kM), seqlen_q);
-    if (kAll || needs_mask(m0, m_end)) step(it, cur.head, cur.m_block, std::true_type{});
+    if (kOneCopy || needs_mask(m0, m_end)) step(it, cur.head, cur.m_block, std::true_type{});
     else step(it, cur.head, cur.m_block, std::false_type{});
   }
 
