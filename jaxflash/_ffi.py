@@ -77,9 +77,10 @@ def _stat_type(q):
 
 
 # dq_accum's rows: Sq rounded up to a whole number of query tiles of every Hopper backward kernel (64, 80 and 128
-# rows; cuda/common/params.h, dq_accum_rows), so that those kernels add whole tiles of dQ.
+# rows), so that those kernels add whole tiles of dQ, and one more per 2048 rows for their per-tile flags
+# (cuda/common/params.h, dq_accum_rows).
 def _dq_accum_rows(sq: int) -> int:
-    return max(-(-sq // 128) * 128, -(-sq // 80) * 80)
+    return max(-(-sq // 128) * 128, -(-sq // 80) * 80) + -(-sq // 2048)
 
 
 def _dq_accum_type(q):

@@ -24,12 +24,17 @@
 namespace jaxflash {
 
 // dq_accum's rows: seqlen_q rounded up to a whole number of query tiles of every Hopper backward kernel (64, 80
-// and 128 rows), so that a kernel can add whole tiles of dQ without a bound check (jaxflash/_ffi.py sizes it by
-// the same rule).
-constexpr int64_t dq_accum_rows(int64_t seqlen_q) {
+// and 128 rows), so that a kernel can add whole tiles of dQ without a bound check, then dq_flag_rows more
+// (jaxflash/_ffi.py sizes it by the same rule).
+constexpr int64_t dq_accum_tile_rows(int64_t seqlen_q) {
   const int64_t by128 = (seqlen_q + 127) / 128 * 128, by80 = (seqlen_q + 79) / 80 * 80;
   return by128 > by80 ? by128 : by80;
 }
+// In the tile layout of dq_accum ([batch · heads_q, rows, head_dim]), the rows after each head's tiles hold one
+// int per query tile, that says whether a block has stored the tile (kernels that store first rather than clear
+// dq_accum): one per 64 rows at least, in rows of 32 floats or more.
+constexpr int64_t dq_flag_rows(int64_t seqlen_q) { return (seqlen_q + 2047) / 2048; }
+constexpr int64_t dq_accum_rows(int64_t seqlen_q) { return dq_accum_tile_rows(seqlen_q) + dq_flag_rows(seqlen_q); }
 constexpr bool dq_accum_tiles_whole(int rows) { return rows == 64 || rows == 80 || rows == 128; }
 
 // Which (query i, key j) pairs of batch element b are visible. With c = i + diag_offset (Sk - Sq is the

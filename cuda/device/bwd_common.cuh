@@ -152,8 +152,9 @@ __forceinline__ __device__ void load_row_stats(TC const& coords, const BwdParams
 
 // ---- preprocess: before the main kernel -----------------------------------------------------------------
 
-// delta[b, h, i] = Σ_d dO·O − dLSE in fp32 for each row (b, i, h) of dO and O, and the first clear_rows rows
-// of head_dim floats of dq_accum cleared (the grid covers the larger count). A row's 16-byte vectors go to
+// delta[b, h, i] = Σ_d dO·O − dLSE in fp32 for each row (b, i, h) of dO and O, and clear_rows rows of head_dim
+// floats of dq_accum cleared (the grid covers the larger count): the first ones, or with flag_rows > 0 the flag
+// rows of each (batch, head) of the tile layout (dq_flag_rows). A row's 16-byte vectors go to
 // kLanes consecutive lanes (the head dim's vectors rounded up to a power of two), so a warp takes 32 / kLanes
 // rows: one row per warp left 3/4 of the lanes idle at d = 64.
 template <int kHeadDim>
@@ -166,7 +167,8 @@ struct PreprocessShape {
 
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p,
-                                                                   const int64_t clear_rows) {
+                                                                   const int64_t clear_rows,
+                                                                   const int64_t flag_rows) {
   using Shape = PreprocessShape<kHeadDim>;
   const AttnDims& dims = p.dims;
   const int64_t rows = dims.batch * dims.seqlen_q * dims.heads_q;
@@ -177,7 +179,10 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const __grid_
   float sum = 0.f;
   const int64_t off = row * kHeadDim + lane * 8;
   if (row < clear_rows && lane < Shape::kVecs) {
-    float4* acc = reinterpret_cast<float4*>(p.dq_accum + off);
+    const int64_t clear = flag_rows == 0 ? row
+                                         : row / flag_rows * dq_accum_rows(dims.seqlen_q) +
+                                               dq_accum_tile_rows(dims.seqlen_q) + row % flag_rows;
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + clear * kHeadDim + lane * 8);
     acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
@@ -297,8 +302,9 @@ __device__ KvBlockWork kv_block_work(const BwdParams& p, OrderedLaunch order, in
 // ---- their launches, as every family's run_bwd makes them -------------------------------------------------
 
 // Which of dq_accum the preprocess clears: none, the first B·Sq·Hq rows (of head_dim floats: the layout of q,
-// which the atomic kernels add into), or all of it (every dq_accum_rows(Sq) row: the sm90 kernels' tiles).
-enum class DqAccumClear { kNone, kQRows, kAll };
+// which the atomic kernels add into), all of it (every dq_accum_rows(Sq) row: the sm90 kernels' tiles), or the
+// rows of the tiles' flags alone (the sm90 kernels that store each tile first).
+enum class DqAccumClear { kNone, kQRows, kAll, kFlags };
 
 // delta (and dq_accum cleared as asked): PreprocessShape's rows per block.
 template <class T, int kHeadDim>
@@ -306,12 +312,14 @@ cudaError_t launch_bwd_preprocess(const BwdParams& p, DqAccumClear clear, cudaSt
   constexpr int kRowsPerBlock = PreprocessShape<kHeadDim>::kRowsPerBlock;
   const AttnDims& d = p.dims;
   const int64_t rows = d.batch * d.seqlen_q * d.heads_q;
+  const int64_t flag_rows = clear == DqAccumClear::kFlags ? dq_flag_rows(d.seqlen_q) : 0;
   const int64_t clear_rows = clear == DqAccumClear::kNone    ? 0
                              : clear == DqAccumClear::kQRows ? rows
+                             : clear == DqAccumClear::kFlags ? d.batch * d.heads_q * flag_rows
                                                              : d.batch * dq_accum_rows(d.seqlen_q) * d.heads_q;
   const int64_t blocks = (std::max(rows, clear_rows) + kRowsPerBlock - 1) / kRowsPerBlock;
   if (!grid_fits(blocks)) return cudaErrorInvalidConfiguration;
-  flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(blocks), 256, 0, stream>>>(p, clear_rows);
+  flash_bwd_preprocess_kernel<T, kHeadDim><<<unsigned(blocks), 256, 0, stream>>>(p, clear_rows, flag_rows);
   return cudaPeekAtLastError();
 }
 

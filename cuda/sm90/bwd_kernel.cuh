@@ -20,7 +20,8 @@
 //                   At the end dK and dV go through the K and V tiles in shared memory and out by TMA.
 //   dQ writer:      80-row kernels (the producer warpgroup's second warp): takes each consumer's staged dQ at a
 //                   named barrier and issues its reduce-add, so the consumers wait neither for each other nor
-//                   for the add's read of the tile (kDqWriter); in deterministic mode it also waits for each
+//                   for the add's read of the tile (kDqWriter); outside deterministic mode the first block to
+//                   reach a query tile stores it instead, so dq_accum is not cleared (kStoresFirst); in deterministic mode it also waits for each
 //                   add's turn and passes the turns once its adds completed.
 //   dQ warps:       deterministic mode at 64 rows (the producer warpgroup's second and fourth warps), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
@@ -148,6 +149,42 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                ::"l"(dst), "r"(cast_smem_ptr_to_uint(src)), "n"(kFloats * 4)
                : "memory");
+}
+
+// dst[i] = src[i]: as bulk_reduce_add, a plain store.
+template <int kFloats>
+__forceinline__ __device__ void bulk_store(float* dst, const float* src) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+               ::"l"(dst), "r"(cast_smem_ptr_to_uint(src)), "n"(kFloats * 4)
+               : "memory");
+}
+
+// Store-first kernels (kDqWriter, not deterministic): dq_accum is not cleared. The first block to visit a query
+// tile claims its flag (dq_flag_rows) and stores its dQ there; the others add theirs once that store has
+// completed. The flag: 0 untouched (the convert step writes zeros: no block saw those rows), 1 claimed, 2 stored.
+// The clear was a full pass over dq_accum, and each tile's first add read those zeros back.
+template <class Tr, bool kOrdered>
+constexpr bool kStoresFirst = Tr::kDqTransposed && !kOrdered;  // the kernels of a dQ writer warp
+
+template <int kD>
+__forceinline__ __device__ int* dq_tile_flag(float* dq_accum, int64_t seqlen_q, int64_t bh, int64_t m_block) {
+  return reinterpret_cast<int*>(dq_accum + (bh * dq_accum_rows(seqlen_q) + dq_accum_tile_rows(seqlen_q)) * kD) +
+         m_block;
+}
+
+// Whether this block stores the tile of `flag` first (it then calls announce_stored once the store completed).
+__forceinline__ __device__ bool claim_tile(int* flag) { return atomicCAS(flag, 0, 1) == 0; }
+
+__forceinline__ __device__ void wait_stored(const int* flag) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  } while (v != 2);
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the reduce-add (async proxy) comes after
+}
+
+__forceinline__ __device__ void announce_stored(int* flag) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(2) : "memory");
 }
 
 // Rows [row_begin, row_end) of two (row, d) tiles zeroed by every consumer thread and made visible to wgmma
@@ -402,10 +439,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
   auto dq_staging = [&](int g, int b) {
     return make_tensor(make_smem_ptr(dq_staged(g, b)), typename Tr::SmemLayoutDq{});
   };
-  auto reduce_add_dq = [&](int g, int b, int64_t head, int64_t m0) {
+  auto reduce_add_dq = [&](int g, int b, int64_t head, int64_t m0, bool store = false) {
     if constexpr (Tr::kDqFlat) {
       float* dst = flat_dq_tile<kD>(p.dq_accum, seqlen_q, batch * dims.heads_q + head, m0) + g * Tr::kDqChunk;
-      bulk_reduce_add<Tr::kDqChunk>(dst, dq_staged(g, b));
+      if (store) bulk_store<Tr::kDqChunk>(dst, dq_staged(g, b));
+      else bulk_reduce_add<Tr::kDqChunk>(dst, dq_staged(g, b));
     } else {
       Tensor mDq = kp.tma_dq.get_tma_tensor(
           make_shape(int32_t(seqlen_q), Int<kD>{}, int32_t(dims.heads_q), int32_t(dims.batch)));
@@ -459,11 +497,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
         KvBlockWork::Cursor cur = w.first();
         for (int64_t it = 0; it < n_iters; ++it, w.advance(cur)) {
           const bool waits = kOrdered && waits_turn(cur.m_block);
+          int* flag = nullptr;
+          bool store = false;
+          if (kStoresFirst<Tr, kOrdered> && lane == 0) {  // claimed while the consumers compute the tile
+            flag = dq_tile_flag<kD>(p.dq_accum, seqlen_q, batch * dims.heads_q + cur.head, cur.m_block);
+            store = claim_tile(flag);
+          }
           for (int g = 0; g < kWG; ++g) {
             NamedBarrier::sync(128 + 32, BwdBar::kDqFull + g);
             if (lane == 0) {
               if (waits) wait_turn(turn(cur.head, cur.m_block, g), int(n_block));
-              reduce_add_dq(g, 0, cur.head, cur.m_block * kM);
+              if (kStoresFirst<Tr, kOrdered> && !store && g == 0) wait_stored(flag);
+              reduce_add_dq(g, 0, cur.head, cur.m_block * kM, store);
             }
           }
           if (lane == 0) tma_store_wait<0>();  // both tiles read
@@ -473,6 +518,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
           if (kOrdered && lane == 0) {  // the adds performed (while the consumers go on): the turns pass on
             bulk_wait_performed<0>();
             for (int g = 0; g < kWG; ++g) pass_turn(turn(cur.head, cur.m_block, g), int(n_block) + 1);
+          }
+          if (store) {  // the others may add once the store completed (the consumers go on meanwhile)
+            bulk_wait_performed<0>();
+            announce_stored(flag);
           }
         }
         return;
@@ -759,7 +808,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
 // tile's floats lie in the consumers' register order (reduce_add_dq), which the TiledMmaDq's partition of the
 // tile undoes. Each thread reads its own registers' float4s (a warp 512 contiguous bytes), puts them at their
 // (row, column) in shared memory, and the tile leaves in 16-byte row pieces; rows past seqlen_q are dropped.
-template <class Tr>
+// kFlagged: after a store-first kernel, a tile that no block stored gives zeros.
+template <class Tr, bool kFlagged>
 __global__ void __launch_bounds__(Tr::kMmaThreads) flash_bwd_convert_dq(const __grid_constant__ BwdParams p) {
   using T = typename Tr::Element;
   constexpr int kM = Tr::kBlockM, kD = Tr::kHeadDim, kPitch = kD + 8;  // 16 bytes of padding: no bank conflicts
@@ -769,6 +819,7 @@ __global__ void __launch_bounds__(Tr::kMmaThreads) flash_bwd_convert_dq(const __
   const int64_t m0 = int64_t(blockIdx.x) % m_blocks * kM, bh = int64_t(blockIdx.x) / m_blocks;
   const int tid = threadIdx.x;
   const float* acc = flat_dq_tile<kD>(p.dq_accum, dims.seqlen_q, bh, m0);
+  const bool stored = !kFlagged || *dq_tile_flag<kD>(p.dq_accum, dims.seqlen_q, bh, m0 / kM) != 0;
   Tensor coord = typename Tr::TiledMmaDq{}.get_thread_slice(tid).partition_C(
       make_identity_tensor(typename Tr::TileDqAcc{}));
   // Register order: 4v, 4v + 1 are adjacent columns of one row, 4v + 2, 4v + 3 the same columns 8 rows down;
@@ -776,7 +827,7 @@ __global__ void __launch_bounds__(Tr::kMmaThreads) flash_bwd_convert_dq(const __
   const float4* mine = reinterpret_cast<const float4*>(acc + tid / 128 * Tr::kDqChunk) + tid % 128;
   CUTE_UNROLL
   for (int v = 0; v < size(coord) / 4; ++v) {
-    const float4 a = mine[v * 128];
+    const float4 a = stored ? mine[v * 128] : make_float4(0.f, 0.f, 0.f, 0.f);
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int row = get<0>(coord(4 * v + 2 * h)), col = get<1>(coord(4 * v + 2 * h));

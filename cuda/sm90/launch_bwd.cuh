@@ -36,6 +36,9 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
   if (!grid_fits(blocks)) return cudaErrorInvalidConfiguration;
   DeviceInfo info;
   if (cudaError_t err = device_info(device, &info); err != cudaSuccess) return err;
+  // All of dq_accum cleared, or only its flags where the kernel stores each tile first.
+  constexpr DqAccumClear kClear = kStoresFirst<Tr, kOrdered> ? DqAccumClear::kFlags : DqAccumClear::kAll;
+  if (cudaError_t err = launch_bwd_preprocess<T, Tr::kHeadDim>(p, kClear, stream); err != cudaSuccess) return err;
   if (kOrdered) {  // the turn counters (bwd_kernel.cuh): 8 bytes per 64 rows of dq
     const size_t turns = size_t(d.batch * d.heads_q * ((d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM)) *
                          Tr::kMmaWarpGroups;
@@ -67,7 +70,7 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
   } else {
     const int64_t tiles = (d.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM * d.batch * d.heads_q;
     if (!grid_fits(tiles)) return cudaErrorInvalidConfiguration;
-    flash_bwd_convert_dq<Tr><<<unsigned(tiles), Tr::kMmaThreads, 0, stream>>>(p);
+    flash_bwd_convert_dq<Tr, kStoresFirst<Tr, kOrdered>><<<unsigned(tiles), Tr::kMmaThreads, 0, stream>>>(p);
     return cudaPeekAtLastError();
   }
 }
@@ -78,9 +81,6 @@ cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream, int device) {
   using Tr = BwdTraitsOf<T, kHeadDim>;
   // Deterministic with segment ids or past d = 128: the sm80 family's (the handler's choice).
   if (p.deterministic && (Tr::kSplitD || p.mask.q_segment_ids != nullptr)) return cudaErrorNotSupported;
-  cudaError_t err;
-  // All of it, where a kernel may lay it out in tiles (which kernel runs is decided below).
-  if ((err = launch_bwd_preprocess<T, kHeadDim>(p, DqAccumClear::kAll, stream)) != cudaSuccess) return err;
   // One extra alone runs a kernel of its own (bwd_kernel.cuh), except in deterministic calls, whose ordered
   // kernels are those with none and with all (an ordered kernel of dropout alone measured 2 % slower).
   const bool cap = p.softcap > 0.f, drop = p.dropout.rate > 0.f, seg = p.mask.q_segment_ids != nullptr;
