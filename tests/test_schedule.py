@@ -98,14 +98,16 @@ ORDER_CASES += [(int(rng.integers(1, 9)), 4 * int(rng.integers(1, 5)), 4, int(rn
 
 
 @pytest.mark.skipif(cuda is None or not hasattr(cuda, "bwd_launch_order"), reason="no CUDA module")
+@pytest.mark.parametrize("descending", [False, True])
 @pytest.mark.parametrize("case", ORDER_CASES, ids=str)
-def test_bwd_launch_order(case):
+def test_bwd_launch_order(case, descending):
     batch, hq, hk, sq, sk, bm, bn, sms = case
-    heads, run, blocks = cuda.bwd_launch_order(batch, hq, hk, sq, sk, bm, bn, sms)
+    heads, run, blocks = cuda.bwd_launch_order(batch, hq, hk, sq, sk, bm, bn, sms, descending)
     num_bh, num_n = batch * hk, -(-sk // bn)
     # Every K/V block of every head once.
     assert sorted(blocks) == [(bh, n) for bh in range(num_bh) for n in range(num_n)]
-    where = {b: i for i, b in enumerate(blocks)}
+    # Each block's place in the order of adds, from the first block that adds.
+    where = {(bh, num_n - 1 - n if descending else n): i for i, (bh, n) in enumerate(blocks)}
     steps = -(-sq // bm) * (hq // hk)
     for (bh, n), i in where.items():
         if n == 0:

@@ -1,7 +1,10 @@
 // Deterministic mode's launch order of the backward's K/V blocks (host and device; no CuTe, so the CUDA module
 // shows it to tests without a GPU). A deterministic block adds its dQ into each query block after its
-// predecessor (n_block - 1 of the same head) has, and waits for it there: the predecessor must be launched
-// first, or blocks that wait could fill the GPU while the ones they wait for never start.
+// predecessor has, and waits for it there: the predecessor must be launched first, or blocks that wait could
+// fill the GPU while the ones they wait for never start. The predecessor is n_block - 1 of the same head, or
+// n_block + 1 where the mask bounds each key's queries from below (causal, a window's right side: the first
+// query block of a K/V block grows with n_block, so block n reaches a query block steps before block n - 1 and
+// would wait there for it at every step).
 #pragma once
 
 #include <algorithm>
@@ -15,7 +18,11 @@ namespace jaxflash {
 // blocks of each head in turn (a run's blocks adjacent in launch order).
 struct OrderedLaunch {
   int64_t heads, run;
+  bool descending;  // adds in descending n_block order, blocks launched in that order
 };
+
+// Whether a mask's K/V blocks add in descending order: where window_right bounds the queries from below.
+JAXFLASH_HD bool adds_descending(const MaskParams& m) { return m.window_right >= 0; }
 
 // The run length for long sequences (ordered_launch).
 constexpr int kOrderedRun = 8;
@@ -27,12 +34,12 @@ constexpr int kOrderedRun = 8;
 // run's blocks started nearly together and waited for each other step by step (+20 % at d = 64); there each
 // block's predecessor goes ~1.25 · SMs / steps places before it, the blocks of that many heads interleaved
 // (whose lines then stay in L2).
-inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multiprocessors) {
+inline OrderedLaunch ordered_launch(const AttnDims& d, int block_m, int multiprocessors, bool descending) {
   const int64_t num_bh = d.batch * d.heads_k;
   const int64_t steps = std::max<int64_t>(1, (d.seqlen_q + block_m - 1) / block_m * (d.heads_q / d.heads_k));
   const int64_t sms = std::max(1, multiprocessors);
-  if (steps >= sms) return {num_bh, kOrderedRun};
-  return {std::min(num_bh, (5 * sms + 4 * steps - 1) / (4 * steps)), 1};
+  if (steps >= sms) return {num_bh, kOrderedRun, descending};
+  return {std::min(num_bh, (5 * sms + 4 * steps - 1) / (4 * steps)), 1, descending};
 }
 
 // Block `index` of the launch: its (batch · heads_k + head_k) and its K/V block.
@@ -46,6 +53,7 @@ JAXFLASH_HD void ordered_block(OrderedLaunch order, int64_t num_bh, int64_t num_
   const int64_t len = order.run < num_n_blocks - j * order.run ? order.run : num_n_blocks - j * order.run;
   *bh = g * order.heads + rj / len;
   *n_block = j * order.run + rj % len;
+  if (order.descending) *n_block = num_n_blocks - 1 - *n_block;
 }
 
 }  // namespace jaxflash

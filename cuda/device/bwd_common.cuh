@@ -234,7 +234,9 @@ struct KvBlockWork {
   BatchMask bm;
   bool segments;  // segment ids given (and compiled in)
   int64_t m_block_min, n_m, n_iters, head0, m_shift;
-  int64_t pred_m_begin, pred_m_end;  // deterministic mode: the query blocks that block n_block - 1 visits
+  // Deterministic mode: the query blocks that the predecessor (bwd_order.h) visits, and this block's place in
+  // the order of adds (n_block, or from the last block when descending), which the turn counters hold.
+  int64_t pred_m_begin, pred_m_end, turn;
 
   // Step it visits query block m_block_min + (it % n_m + m_shift) mod n_m of head head0 + it / n_m: a cursor
   // advanced step by step, since a 64-bit division per step is a called subroutine in the loop. The sm90 stats
@@ -286,11 +288,13 @@ __device__ KvBlockWork kv_block_work(const BwdParams& p, OrderedLaunch order, in
   w.n_iters = w.n_m * w.group;
   w.head0 = w.head_k * w.group;
   w.m_shift = w.n_m > 0 && !kOrdered ? w.n_block % w.n_m : 0;
-  // The same rule as above for the previous K/V block (no segment ids: their narrowing needs the whole
-  // block). With lengths, causal and windows, the K/V blocks that visit a query block are consecutive.
+  // The same rule as above for the predecessor (no segment ids: their narrowing needs the whole block). With
+  // lengths, causal and windows, the K/V blocks that visit a query block are consecutive.
   w.pred_m_begin = w.pred_m_end = 0;
-  if (kOrdered && w.n_block > 0) {
-    visible_query_range(w.bm, w.n0 - kN, w.n0, &row_begin, &row_end);
+  w.turn = order.descending ? num_n_blocks - 1 - w.n_block : w.n_block;
+  if (kOrdered && w.turn > 0) {
+    const int64_t pred0 = order.descending ? w.n0 + kN : w.n0 - kN;
+    visible_query_range(w.bm, pred0, cute::min(pred0 + int64_t(kN), dims.seqlen_k), &row_begin, &row_end);
     if (row_end > row_begin) {
       w.pred_m_begin = row_begin / kM;
       w.pred_m_end = (row_end + kM - 1) / kM;

@@ -331,7 +331,7 @@ NB_MODULE(_jaxflash_cuda, m) {
   m.def(
       "bwd_launch_order",
       [](int64_t batch, int64_t heads_q, int64_t heads_k, int64_t seqlen_q, int64_t seqlen_k, int block_m,
-         int block_n, int multiprocessors) {
+         int block_n, int multiprocessors, bool descending) {
         if (batch < 1 || heads_k < 1 || heads_q % heads_k != 0 || seqlen_q < 1 || seqlen_k < 1 || block_m < 1 ||
             block_n < 1 || multiprocessors < 1)
           throw nb::value_error("bwd_launch_order: every size must be positive and heads_q a multiple of heads_k");
@@ -341,7 +341,7 @@ NB_MODULE(_jaxflash_cuda, m) {
         d.heads_k = heads_k;
         d.seqlen_q = seqlen_q;
         d.seqlen_k = seqlen_k;
-        const jaxflash::OrderedLaunch order = jaxflash::ordered_launch(d, block_m, multiprocessors);
+        const jaxflash::OrderedLaunch order = jaxflash::ordered_launch(d, block_m, multiprocessors, descending);
         const int64_t num_bh = batch * heads_k, num_n_blocks = (seqlen_k + block_n - 1) / block_n;
         if (num_bh * num_n_blocks > (int64_t(1) << 24)) throw nb::value_error("bwd_launch_order: too many blocks");
         std::vector<std::tuple<int64_t, int64_t>> blocks;
@@ -353,8 +353,9 @@ NB_MODULE(_jaxflash_cuda, m) {
         return std::make_tuple(order.heads, order.run, blocks);
       },
       nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_k"), nb::arg("seqlen_q"), nb::arg("seqlen_k"),
-      nb::arg("block_m"), nb::arg("block_n"), nb::arg("multiprocessors"),
+      nb::arg("block_m"), nb::arg("block_n"), nb::arg("multiprocessors"), nb::arg("descending") = false,
       "The deterministic sm90 backward's launch order on a GPU of `multiprocessors` SMs, for tiles of block_m "
-      "query rows and block_n keys: (heads per group, run length, [(batch * heads_k + head_k, K/V block) per "
-      "block in launch order]) (for tests; no GPU needed).");
+      "query rows and block_n keys, its adds in descending K/V block order where `descending` (causal or a "
+      "window's right side): (heads per group, run length, [(batch * heads_k + head_k, K/V block) per block in "
+      "launch order]) (for tests; no GPU needed).");
 }

@@ -26,14 +26,15 @@
 //   dQ warps:       deterministic mode at 64 rows (the producer warpgroup's second and fourth warps), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
 // (keep_bits_transposed: one 32-bit mask per thread). Which extras a kernel holds is its Extras argument.
-// Deterministic mode adds into each query block's rows of dq_accum in n_block order: a turn counter per (batch,
-// query head, query block, consumer) says which K/V block adds next. A dQ warp takes each staged tile, waits
-// for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits the
-// consumers no longer make (when they waited themselves, the backward took +62 % rather than +30 %). At 64 rows
-// two dQ warps, one per staging buffer, so that one adds while the other waits for its adds to complete; at 80
-// rows (one staging tile per consumer) the dQ writer lets the tiles go once read, then waits for the adds.
-// kv_block_work orders the blocks so that a block waits only for its predecessor, launched before it. Segment
-// ids are not taken then (the handler runs the sm80 backward).
+// Deterministic mode adds into each query block's rows of dq_accum in n_block order (descending under causal masks
+// and windows' right sides, where block n reaches a query block before block n - 1: bwd_order.h): a turn counter per
+// (batch, query head, query block, consumer) says which K/V block adds next. A dQ warp takes each staged tile, waits
+// for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits the consumers
+// no longer make (when they waited themselves, the backward took +62 % rather than +30 %). At 64 rows two dQ warps,
+// one per staging buffer, so that one adds while the other waits for its adds to complete; at 80 rows (one staging
+// tile per consumer) the dQ writer lets the tiles go once read, then waits for the adds. kv_block_work orders the
+// blocks so that a block waits only for its predecessor, launched before it. Segment ids are not taken then (the
+// handler runs the sm80 backward).
 // Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
 // but 0·NaN is not, so those rows of K, V, Q and dO are zeroed in shared memory once landed.
 #pragma once
@@ -95,12 +96,12 @@ __forceinline__ __device__ auto transposed(TensorT&& t) {
 }
 
 // Deterministic mode's turn counters: ints in dq's buffer, unused until the convert step writes dq, zeroed by
-// run_bwd before the main kernel. Each holds the n_block whose reduce-add is next.
-__forceinline__ __device__ void wait_turn(const int* turn, int n_block) {
+// run_bwd before the main kernel. Each holds the place (KvBlockWork::turn) of the block whose reduce-add is next.
+__forceinline__ __device__ void wait_turn(const int* turn, int place) {
   int v;
   do {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(turn) : "memory");
-  } while (v != n_block);
+  } while (v != place);
   asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the reduce-add (async proxy) comes after
 }
 
@@ -480,13 +481,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
         const bool waits = waits_turn(m_block);
         for (int g = 0; g < kWG; ++g) {
           ClusterBarrier::wait(&ss.dq_full[b][g], parity);
-          if (waits) wait_turn(turn(head, m_block, g), int(n_block));
+          if (waits) wait_turn(turn(head, m_block, g), int(w.turn));
           reduce_add_dq(g, b, head, m_block * kM);
         }
         tma_store_wait<0>();  // both tiles read: the consumers may stage into them again
         for (int g = 0; g < kWG; ++g) ClusterBarrier::arrive(&ss.dq_empty[b][g]);
         bulk_wait_performed<0>();  // the adds performed: the turns pass on
-        for (int g = 0; g < kWG; ++g) pass_turn(turn(head, m_block, g), int(n_block) + 1);
+        for (int g = 0; g < kWG; ++g) pass_turn(turn(head, m_block, g), int(w.turn) + 1);
       }
       return;
     }
@@ -506,7 +507,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
           for (int g = 0; g < kWG; ++g) {
             NamedBarrier::sync(128 + 32, BwdBar::kDqFull + g);
             if (lane == 0) {
-              if (waits) wait_turn(turn(cur.head, cur.m_block, g), int(n_block));
+              if (waits) wait_turn(turn(cur.head, cur.m_block, g), int(w.turn));
               if (kStoresFirst<Tr, kOrdered> && !store && g == 0) wait_stored(flag);
               reduce_add_dq(g, 0, cur.head, cur.m_block * kM, store);
             }
@@ -517,7 +518,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_bwd_kernel(const __gri
             for (int g = 0; g < kWG; ++g) NamedBarrier::arrive(128 + 32, BwdBar::kDqEmpty + g);
           if (kOrdered && lane == 0) {  // the adds performed (while the consumers go on): the turns pass on
             bulk_wait_performed<0>();
-            for (int g = 0; g < kWG; ++g) pass_turn(turn(cur.head, cur.m_block, g), int(n_block) + 1);
+            for (int g = 0; g < kWG; ++g) pass_turn(turn(cur.head, cur.m_block, g), int(w.turn) + 1);
           }
           if (store) {  // the others may add once the store completed (the consumers go on meanwhile)
             bulk_wait_performed<0>();

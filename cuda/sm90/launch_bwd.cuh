@@ -61,7 +61,8 @@ cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream, int device)
                     typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_STORE{}, gmem_view<Tr>(static_cast<T*>(p.dv), d.seqlen_k, d.heads_k, d.batch),
                     typename Tr::SmemLayoutKV{}, typename Tr::TileKV{}, _1{}),
-      kOrdered ? ordered_launch(d, Tr::kBlockM, info.multiprocessors) : OrderedLaunch{1, 1},
+      kOrdered ? ordered_launch(d, Tr::kBlockM, info.multiprocessors, adds_descending(p.mask))
+               : OrderedLaunch{1, 1, false},
   };
   kKernel<<<dim3(unsigned(blocks)), dim3(Tr::kNThreads), kSmemBytes, stream>>>(kp);
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
