@@ -102,13 +102,16 @@ ORDER_CASES += [(int(rng.integers(1, 9)), 4 * int(rng.integers(1, 5)), 4, int(rn
 @pytest.mark.parametrize("case", ORDER_CASES, ids=str)
 def test_bwd_launch_order(case, descending):
     batch, hq, hk, sq, sk, bm, bn, sms = case
-    heads, run, blocks = cuda.bwd_launch_order(batch, hq, hk, sq, sk, bm, bn, sms, descending)
+    heads, run, descends, blocks = cuda.bwd_launch_order(batch, hq, hk, sq, sk, bm, bn, sms, descending)
     num_bh, num_n = batch * hk, -(-sk // bn)
+    steps = -(-sq // bm) * (hq // hk)
+    # Descending adds where asked, but not in the long order (there they launch a causal mask's shortest blocks
+    # first).
+    assert descends == (descending and steps < sms)
     # Every K/V block of every head once.
     assert sorted(blocks) == [(bh, n) for bh in range(num_bh) for n in range(num_n)]
     # Each block's place in the order of adds, from the first block that adds.
-    where = {(bh, num_n - 1 - n if descending else n): i for i, (bh, n) in enumerate(blocks)}
-    steps = -(-sq // bm) * (hq // hk)
+    where = {(bh, num_n - 1 - n if descends else n): i for i, (bh, n) in enumerate(blocks)}
     for (bh, n), i in where.items():
         if n == 0:
             continue

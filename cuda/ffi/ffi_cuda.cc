@@ -350,12 +350,12 @@ NB_MODULE(_jaxflash_cuda, m) {
           jaxflash::ordered_block(order, num_bh, num_n_blocks, i, &bh, &n_block);
           blocks.emplace_back(bh, n_block);
         }
-        return std::make_tuple(order.heads, order.run, blocks);
+        return std::make_tuple(order.heads, order.run, order.descending, blocks);
       },
       nb::arg("batch"), nb::arg("heads_q"), nb::arg("heads_k"), nb::arg("seqlen_q"), nb::arg("seqlen_k"),
       nb::arg("block_m"), nb::arg("block_n"), nb::arg("multiprocessors"), nb::arg("descending") = false,
       "The deterministic sm90 backward's launch order on a GPU of `multiprocessors` SMs, for tiles of block_m "
-      "query rows and block_n keys, its adds in descending K/V block order where `descending` (causal or a "
-      "window's right side): (heads per group, run length, [(batch * heads_k + head_k, K/V block) per block in "
-      "launch order]) (for tests; no GPU needed).");
+      "query rows and block_n keys, for a mask that asks for descending adds (`descending`: causal or a window's "
+      "right side): (heads per group, run length, whether the adds descend, [(batch * heads_k + head_k, K/V "
+      "block) per block in launch order]) (for tests; no GPU needed).");
 }

@@ -21,19 +21,20 @@
 //   dQ writer:      80-row kernels (the producer warpgroup's second warp): takes each consumer's staged dQ at a
 //                   named barrier and issues its reduce-add, so the consumers wait neither for each other nor
 //                   for the add's read of the tile (kDqWriter); outside deterministic mode the first block to
-//                   reach a query tile stores it instead, so dq_accum is not cleared (kStoresFirst); in deterministic mode it also waits for each
-//                   add's turn and passes the turns once its adds completed.
+//                   reach a query tile stores it instead, so dq_accum is not cleared (kStoresFirst); in
+//                   deterministic mode it also waits for each add's turn and passes the turns once its adds
+//                   completed.
 //   dQ warps:       deterministic mode at 64 rows (the producer warpgroup's second and fourth warps), below.
 // Dropout redraws the forward's keep bits of a query block while its Sᵀ and dPᵀ GEMMs run
 // (keep_bits_transposed: one 32-bit mask per thread). Which extras a kernel holds is its Extras argument.
-// Deterministic mode adds into each query block's rows of dq_accum in n_block order (descending under causal masks
-// and windows' right sides, where block n reaches a query block before block n - 1: bwd_order.h): a turn counter per
-// (batch, query head, query block, consumer) says which K/V block adds next. A dQ warp takes each staged tile, waits
-// for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits the consumers
-// no longer make (when they waited themselves, the backward took +62 % rather than +30 %). At 64 rows two dQ warps,
-// one per staging buffer, so that one adds while the other waits for its adds to complete; at 80 rows (one staging
-// tile per consumer) the dQ writer lets the tiles go once read, then waits for the adds. kv_block_work orders the
-// blocks so that a block waits only for its predecessor, launched before it. Segment ids are not taken then (the
+// Deterministic mode adds into each query block's rows of dq_accum in n_block order (descending for short sequences
+// under causal masks and windows' right sides, where block n reaches a query block before block n - 1: bwd_order.h): a
+// turn counter per (batch, query head, query block, consumer) says which K/V block adds next. A dQ warp takes each
+// staged tile, waits for the block's turn, issues the reduce-add, and passes the turn once the add has completed: waits
+// the consumers no longer make (when they waited themselves, the backward took +62 % rather than +30 %). At 64 rows two
+// dQ warps, one per staging buffer, so that one adds while the other waits for its adds to complete; at 80 rows (one
+// staging tile per consumer) the dQ writer lets the tiles go once read, then waits for the adds. kv_block_work orders
+// the blocks so that a block waits only for its predecessor, launched before it. Segment ids are not taken then (the
 // handler runs the sm80 backward).
 // Keys past kv_len and query rows past q_len inside the tensors may hold anything, even NaN; their P is 0,
 // but 0·NaN is not, so those rows of K, V, Q and dO are zeroed in shared memory once landed.
