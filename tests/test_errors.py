@@ -183,10 +183,11 @@ def test_handler_rejects_bad_input(q, k, v, kwargs, match):
         raw_fwd(q, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("sq,rows,want", [(8, 8, 129), (8, 128, 129), (1000, 1040, 1041), (4096, 4096, 4098)])
+@pytest.mark.parametrize("sq,rows,want", [(8, 8, 129), (8, 128, 129), (1000, 1040, 1041), (4096, 4160, 4162)])
 def test_backward_handler_checks_the_dq_workspace(sq, rows, want):
     """dq_accum's rows are Sq rounded up to whole query tiles of 64, 80 and 128 rows (the Hopper kernels add whole
-    tiles; 1000 rows need 13 tiles of 80, more than 8 of 128), then a row per 2048 for the tiles' flags."""
+    tiles; 1000 rows need 13 tiles of 80, more than 8 of 128), then a row per 2048 for the tiles' flags (4096 rows:
+    52 tiles of 80, then 2)."""
     lead = (2,)
     q, k = arr(2, sq, 4, 16), arr(2, sq, 2, 16)
     assert _ffi._dq_accum_type(q).shape == (2, want, 4, 16)
