@@ -2,8 +2,9 @@
 # dtype, head dim) that instantiates that family's launcher, and dispatch.cc: the list as a C++ array and the
 # one switch from a runtime (family, dtype, head dim) to its instantiation, per pass. Files are rewritten
 # only when their content changes, so an unchanged list recompiles nothing. The units of family F are
-# returned in <sources_prefix>_F; families not in `enabled_families` (a list) are left out altogether.
-function(jaxflash_generate_configs list_file out_dir enabled_families sources_prefix dispatch_var)
+# returned in <sources_prefix>_F; families not in `enabled_families` and dtypes not in `enabled_dtypes` (lists)
+# are left out altogether.
+function(jaxflash_generate_configs list_file out_dir enabled_families enabled_dtypes sources_prefix dispatch_var)
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${list_file})
   file(STRINGS ${list_file} lines REGEX "^[ \t]*[^# \t]")
   set(families "")
@@ -20,7 +21,7 @@ function(jaxflash_generate_configs list_file out_dir enabled_families sources_pr
       message(FATAL_ERROR "jaxflash: ${list_file}: expected 'family pass dtype head_dim...' with family sm80|sm90|decode, "
                           "pass fwd|bwd, dtype bfloat16|float16; got '${line}'")
     endif()
-    if(NOT family IN_LIST enabled_families)
+    if(NOT family IN_LIST enabled_families OR NOT dtype IN_LIST enabled_dtypes)
       continue()
     endif()
     list(APPEND families ${family})

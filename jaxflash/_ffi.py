@@ -195,6 +195,12 @@ def cuda_configs() -> list[tuple[str, str, str, int]]:
     return [(str(f), str(p), str(t), int(d)) for f, p, t, d in _jaxflash_cuda.supported_configs()]
 
 
+def describe_configs(pairs) -> str:
+    """(dtype name, head dim) pairs as text, e.g. "bfloat16 with head dims [64, 128]; float16 with head dims [64]"."""
+    return "; ".join(f"{t} with head dims {sorted(d for u, d in pairs if u == t)}"
+                     for t in sorted({t for t, _ in pairs})) or "nothing"
+
+
 def cuda_supported(pass_: str = "fwd") -> set[tuple[str, int]]:
     """(dtype name, head dim) pairs the CUDA module runs for `pass_` ("fwd" or "bwd") on some family."""
     return {(t, d) for _, p, t, d in cuda_configs() if p == pass_}

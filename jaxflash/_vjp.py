@@ -54,8 +54,7 @@ def _check_cuda_backward(q):
     compiled = _ffi.cuda_supported("bwd")
     if (dtype, d) in compiled:
         return
-    have = "; ".join(f"{t} with head dims {sorted(hd for u, hd in compiled if u == t)}"
-                     for t in sorted({t for t, _ in compiled})) or "nothing"
     raise NotImplementedError(f"jaxflash.attention: the CUDA backward pass is not compiled for {dtype} with head "
-                              f"dim {d}, only the forward; the backward is compiled for {have} (cast, pad the head "
-                              f"dim, or differentiate with backend='reference')")
+                              f"dim {d}, only the forward; the backward is compiled for "
+                              f"{_ffi.describe_configs(compiled)} (cast, pad the head dim, or differentiate with "
+                              "backend='reference')")

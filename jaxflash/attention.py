@@ -354,7 +354,6 @@ def _resolve_backend(fn, backend, query, supported=None, remedy="cast, pad the h
         dtype, d = jnp.dtype(query.dtype), query.shape[-1]
         supported = _ffi.cuda_supported("fwd") if supported is None else supported
         if (dtype.name, d) not in supported:
-            have = sorted({hd for _, hd in supported})
-            _fail(fn, NotImplementedError, f"the CUDA kernel supports bfloat16 and float16 with head dims {have}; got "
+            _fail(fn, NotImplementedError, f"the CUDA kernel supports {_ffi.describe_configs(supported)}; got "
                                            f"{dtype} with head dim {d} ({remedy})")
     return backend
