@@ -57,7 +57,8 @@ elif [ "${SKIP_BUILD:-0}" != 1 ]; then
   echo "== build ($(nproc) cores)"
   start=$(date +%s)
   build() {  # with WHEEL_DIR, a wheel there first (to carry to the next call), then installed
-    export JAXFLASH_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+    # Both input dtypes whatever the environment says (CI narrows it): the GPU tests cover both.
+    export JAXFLASH_CUDA=ON JAXFLASH_CUDA_DTYPES="bfloat16;float16" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
     if [ -z "${WHEEL_DIR:-}" ]; then
       "$PY" -m pip install --no-build-isolation --no-deps -v . && return
     fi
