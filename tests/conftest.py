@@ -102,8 +102,9 @@ def poison(*like):
 
 def plain_jit(f, **kw):
     """jax.jit for the naive baselines: without excess precision XLA rounds every intermediate to the input
-    dtype as op-by-op execution does (the same bits for bfloat16 and float16), and one compilation replaces
-    one per eager op (the eager baselines were most of the CPU suite's time)."""
+    dtype as op-by-op execution does (plain attention in bfloat16/float16: the same bits; a fused tanh or a
+    masked backward: the last bits may differ), and one compilation replaces one per eager op (the eager
+    baselines were most of the CPU suite's time)."""
     return jax.jit(f, compiler_options={"xla_allow_excess_precision": False}, **kw)
 
 

@@ -127,14 +127,14 @@ def test_dropout_matches_oracle(case):
     q, k, v, do = make_inputs(len(str(case)), (2,), sq, sk, hq, hk, d, DTYPES[dtype])
     key = jax.random.key(sq * 1000 + sk)
 
-    def run(backend):
+    def run(backend, q, k, v):
         f = lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, dropout_rate=rate, dropout_key=key,
                                                return_lse=True, backend=backend)
         (o, lse), vjp = jax.vjp(f, q, k, v)
         return (o, lse, *vjp((do, jnp.zeros_like(lse))))
 
-    got = jax.jit(lambda *a: run("cpu"))(q, k, v)
-    naive = plain_jit(lambda *a: run("reference"))(q, k, v)
+    got = jax.jit(lambda *a: run("cpu", *a))(q, k, v)
+    naive = plain_jit(lambda *a: run("reference", *a))(q, k, v)
     keep = np.asarray(jaxflash.dropout_mask(key, 2, hq, sq, sk, rate))
     as64 = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v, do)]
     ref = oracle.attention(*as64[:3], do=as64[3], causal=causal, keep=keep, rate=rate)
